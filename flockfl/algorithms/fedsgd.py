@@ -1,0 +1,30 @@
+"""FedSGD — the baseline of McMahan et al., https://arxiv.org/abs/1602.05629.
+
+Every selected client computes its full-batch gradient g_i at the global model; the server
+applies w ← w − η Σ_i (n_i/N_t) g_i with η = ``train.lr``. Numerically this equals FedAvg
+with one full-batch local step (E = 1, B = ∞), which is how it runs here: the client's
+one step gives Δ_i = w − w_i = η g_i and the server subtracts the weighted mean of Δ_i.
+"""
+
+import numpy as np
+import torch
+
+from flockfl.algorithms.base import Algorithm
+from flockfl.engine.schedule import LocalSpec
+
+
+class FedSGD(Algorithm):
+    name = "fedsgd"
+
+    def local_spec(self, state, ctx, clients, round) -> LocalSpec:
+        spec = super().local_spec(state, ctx, clients, round)
+        spec.full_batch, spec.steps, spec.epochs = True, 1, 1
+        return spec
+
+    def aggregate(self, state, ctx, spec, result, assign):
+        w = self.weights(result, np.arange(len(result.clients)))
+        models = {}
+        for k, v in state.models.items():
+            delta = v[0].unsqueeze(0) - result.params[k]  # η g_i
+            models[k] = (v[0] - torch.tensordot(w.to(delta.dtype), delta, dims=1)).unsqueeze(0)
+        return self._with_assignments(state, models, result.clients, assign)

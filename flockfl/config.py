@@ -1,0 +1,302 @@
+"""Typed experiment configuration, validated once at the boundary.
+
+An experiment is a nested mapping (``seed``, ``dataset``, ``partition``, ``model``,
+``algorithm``, ``train``, ``tracking``). It comes from ``params.yaml`` (a named
+experiment), from a YAML file, and from ``--set key=value`` overrides. Everything is
+validated here, so nothing deeper needs defensive checks. A problem raises
+:class:`ConfigError`, whose message is one line naming the key, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg")
+SCHEMES = ("iid", "dirichlet", "shards", "rotated", "label_swap", "natural")
+MODELS = ("mclr", "mlp", "lenet5", "linear")
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing configuration error (the CLI exits with code 2)."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DatasetConfig(_Section):
+    name: Literal["digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg"] = "digits"
+    path: Optional[str] = None  # npz file, or a directory holding IDX files
+    test_fraction: float = Field(0.2, gt=0, lt=1)  # digits only: held-out share of the bundled set
+    # synthetic_linreg (IFCA mixture of linear regressions, spec §4.1)
+    clusters: int = Field(2, ge=1)
+    dim: int = Field(20, ge=1)
+    samples_per_client: int = Field(100, ge=1)
+    test_samples_per_client: int = Field(100, ge=1)
+    noise: float = Field(0.1, ge=0)
+    separation: float = Field(1.0, gt=0)
+
+
+class PartitionConfig(_Section):
+    name: Optional[str] = None  # a partition named in params.yaml: its settings are inherited
+    scheme: Literal["iid", "dirichlet", "shards", "rotated", "label_swap", "natural"] = "iid"
+    num_clients: int = Field(10, ge=1)
+    alpha: float = Field(0.5, gt=0)
+    k: int = Field(4, ge=1)
+    classes_per_client: int = Field(2, ge=1)
+    label_swap_mode: Literal["pairs", "random_perm"] = "pairs"
+
+
+class ModelConfig(_Section):
+    name: Literal["mclr", "mlp", "lenet5", "linear"] = "mlp"
+    hidden: int = Field(200, ge=1)
+
+
+class AlgorithmConfig(_Section):
+    name: str = "fedavg"
+    k: int = Field(1, ge=1)
+    option: Literal["gradient", "model"] = "model"
+    init: Literal["random", "given", "balanced_restart"] = "random"
+    init_path: Optional[str] = None  # for init=given: a torch file holding k stacked models
+    weighting: Optional[Literal["samples", "uniform"]] = None  # None: the algorithm's default
+    min_cluster_frac: float = Field(0.1, ge=0, lt=1)  # balanced_restart
+    max_tries: int = Field(10, ge=1)
+
+
+class TrainConfig(_Section):
+    rounds: int = Field(30, ge=1)
+    clients_per_round: int = Field(10, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    local_steps: Optional[int] = Field(None, ge=1)  # fixed number of local steps (overrides epochs)
+    batch_size: int = Field(10, ge=1)  # 0 is not allowed; use full_batch
+    full_batch: bool = False
+    lr: float = Field(0.05, gt=0)
+    engine: Literal["auto", "vectorized", "reference"] = "auto"
+    shard_size: int = Field(256, ge=1)  # clients per vectorised training task
+    parallel_shards: int = Field(1, ge=1)  # training tasks run at once (threads; 1 suits a small CPU)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = number of cores (max 4)
+    eval_every: int = Field(1, ge=1)
+    max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
+    checkpoints_to_keep: int = Field(3, ge=2)
+    simulate_failures: list[int] = []  # client ids whose local training raises (fault-injection drills)
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
+    experiment: Optional[str] = None  # MLflow experiment name; default: the experiment name
+    register_model: bool = True
+    plots: bool = True
+
+
+class ExperimentConfig(_Section):
+    name: str = "experiment"
+    seed: int = Field(0, ge=0)
+    dataset: DatasetConfig = DatasetConfig()
+    partition: PartitionConfig = PartitionConfig()
+    model: ModelConfig = ModelConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ExperimentConfig":
+        from flockfl.algorithms import ALGORITHMS  # local: algorithms import config
+
+        if self.algorithm.name not in ALGORITHMS:
+            raise ValueError(
+                f"algorithm.name: unknown algorithm {self.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
+            )
+        regression = self.dataset.name == "synthetic_linreg"
+        if regression and self.model.name != "linear":
+            raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
+        if not regression and self.model.name == "linear":
+            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs mclr, mlp or lenet5")
+        if self.dataset.name == "npz" and not self.dataset.path:
+            raise ValueError("dataset.path: the npz dataset needs a file; set dataset.path=/path/to/data.npz")
+        if self.algorithm.init == "given" and not self.algorithm.init_path:
+            raise ValueError("algorithm.init_path: init=given needs a file of k stacked models; set algorithm.init_path")
+        if self.train.clients_per_round > self.partition.num_clients:
+            raise ValueError(
+                f"train.clients_per_round: {self.train.clients_per_round} exceeds partition.num_clients="
+                f"{self.partition.num_clients}; lower it or add clients"
+            )
+        if self.partition.scheme in ("rotated", "label_swap") and self.partition.k > self.partition.num_clients:
+            raise ValueError(
+                f"partition.k: {self.partition.k} groups need at least as many clients (num_clients={self.partition.num_clients})"
+            )
+        return self
+
+    # ------------------------------------------------------------------ helpers
+    def to_flat(self) -> dict[str, Any]:
+        return flatten(self.model_dump())
+
+    def partition_key(self) -> dict[str, Any]:
+        """The settings that determine the partition (used for its content address)."""
+        part = self.partition.model_dump()
+        part.pop("name")
+        return {"seed": self.seed, "dataset": self.dataset.model_dump(), "partition": part}
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Turn ``["train.lr=0.1", "algorithm.name=ifca"]`` into a nested dict."""
+    nested: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.lr=0.1")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"--set {item!r}: empty key; expected key=value, e.g. --set train.lr=0.1")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p!r} is a value, not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def _one_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = ".".join(str(p) for p in e["loc"])
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        section = ".".join(str(p) for p in e["loc"][:-1])
+        allowed = _allowed_keys(section)
+        return f"config error: unknown key {loc!r}; allowed keys{' in ' + section if section else ''}: {', '.join(allowed)}"
+    if not loc:
+        return f"config error: {msg}"
+    return f"config error: {loc}: {msg} (got {e.get('input')!r})"
+
+
+def _allowed_keys(section: str) -> list[str]:
+    model: type[BaseModel] = ExperimentConfig
+    for part in filter(None, section.split(".")):
+        field = model.model_fields.get(part)
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return sorted(model.model_fields)
+        model = field.annotation
+    return sorted(model.model_fields)
+
+
+def validate(raw: dict[str, Any]) -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+
+
+# ---------------------------------------------------------------------- params.yaml
+
+
+def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        return {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping with 'partitions' and 'experiments'")
+    return data
+
+
+def resolve_partition_ref(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Inherit seed/dataset/partition from ``partitions.<partition.name>`` in params.yaml."""
+    ref = (raw.get("partition") or {}).get("name")
+    if not ref:
+        return raw
+    parts = params.get("partitions") or {}
+    if ref not in parts:
+        known = ", ".join(sorted(parts)) or "none"
+        raise ConfigError(f"config error: partition.name {ref!r} is not in params.yaml partitions (known: {known})")
+    base = {k: v for k, v in parts[ref].items() if k in ("seed", "dataset", "partition")}
+    return deep_merge(base, raw)
+
+
+def load_experiment(
+    name_or_path: str, overrides: list[str] | None = None, params_path: str | Path = "params.yaml"
+) -> ExperimentConfig:
+    """Resolve a config from a params.yaml experiment name or a YAML file, plus ``--set`` overrides."""
+    params = load_params(params_path)
+    experiments = params.get("experiments") or {}
+    path = Path(name_or_path)
+    if name_or_path in experiments:
+        raw = copy.deepcopy(experiments[name_or_path]) or {}
+        raw.setdefault("name", name_or_path)
+    elif path.suffix in (".yaml", ".yml", ".json") and path.exists():
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections")
+        raw.setdefault("name", path.stem)
+    else:
+        known = ", ".join(sorted(experiments)) or "none"
+        raise ConfigError(
+            f"unknown experiment {name_or_path!r}: not a config file and not in {params_path} (experiments: {known})"
+        )
+    raw = deep_merge(raw, parse_set(overrides or []))
+    raw = resolve_partition_ref(raw, params)
+    return validate(raw)
+
+
+def load_partition_config(name: str, params_path: str | Path = "params.yaml") -> ExperimentConfig:
+    """A config holding just the partition named ``name`` in params.yaml."""
+    params = load_params(params_path)
+    parts = params.get("partitions") or {}
+    if name not in parts:
+        known = ", ".join(sorted(parts)) or "none"
+        raise ConfigError(f"unknown partition {name!r}: not in {params_path} partitions (known: {known})")
+    raw = {k: v for k, v in parts[name].items() if k in ("seed", "dataset", "partition")}
+    extra = set(parts[name]) - {"seed", "dataset", "partition"}
+    if extra:
+        raise ConfigError(f"partitions.{name}: unknown keys {sorted(extra)}; a partition has seed, dataset and partition")
+    raw = deep_merge(raw, {"partition": {"name": name}, "name": name})
+    raw.setdefault("model", {"name": "linear" if raw.get("dataset", {}).get("name") == "synthetic_linreg" else "mlp"})
+    raw.setdefault("train", {})
+    raw["train"].setdefault("clients_per_round", 1)
+    return validate(raw)

@@ -1,0 +1,87 @@
+"""Materialised client data: every client's samples, transformed, in flat tensors.
+
+Samples are stored back to back (``x[offsets[i]:offsets[i+1]]`` is client i), so unequal
+client sizes cost no padding. The cohort trainer gathers batches by global index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flockfl.data.datasets import Dataset
+from flockfl.data.partition import Partition
+
+
+def rotate_images(x: torch.Tensor, angle: float) -> torch.Tensor:
+    """Rotate N×C×H×W images counter-clockwise: exact for multiples of 90°, bilinear otherwise."""
+    quarter = angle / 90.0
+    if abs(quarter - round(quarter)) < 1e-9:
+        return torch.rot90(x, int(round(quarter)) % 4, dims=(-2, -1))
+    theta = torch.deg2rad(torch.tensor(angle, dtype=torch.float32))
+    c, s = torch.cos(theta), torch.sin(theta)
+    mat = torch.stack([torch.stack([c, s, torch.tensor(0.0)]), torch.stack([-s, c, torch.tensor(0.0)])])
+    grid = torch.nn.functional.affine_grid(mat.expand(len(x), 2, 3), list(x.shape), align_corners=False)
+    return torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
+
+@dataclass
+class Split:
+    x: torch.Tensor
+    y: torch.Tensor
+    offsets: np.ndarray  # (clients + 1,)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def client(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.x[a:b], self.y[a:b]
+
+
+@dataclass
+class ClientData:
+    train: Split
+    test: Split
+    group: np.ndarray
+    task: str
+    num_classes: int
+    input_shape: tuple[int, ...]
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.group)
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 if self.task == "regression" else self.num_classes
+
+    def to(self, device: torch.device) -> "ClientData":
+        mv = lambda s: Split(s.x.to(device), s.y.to(device), s.offsets)  # noqa: E731
+        return ClientData(mv(self.train), mv(self.test), self.group, self.task, self.num_classes, self.input_shape)
+
+
+def _materialise(x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], p: Partition) -> Split:
+    xs, ys = [], []
+    for i, ii in enumerate(idx):
+        xi = torch.from_numpy(np.ascontiguousarray(x[ii]))
+        yi = y[ii]
+        if p.angle[i] != 0:
+            xi = rotate_images(xi, float(p.angle[i]))
+        if p.label_perm is not None:
+            yi = p.label_perm[i][yi]
+        xs.append(xi)
+        ys.append(torch.from_numpy(np.ascontiguousarray(yi)))
+    offsets = np.cumsum([0] + [len(ii) for ii in idx]).astype(np.int64)
+    return Split(torch.cat(xs).contiguous(), torch.cat(ys).contiguous(), offsets)
+
+
+def build_client_data(ds: Dataset, p: Partition) -> ClientData:
+    return ClientData(
+        _materialise(ds.x_train, ds.y_train, p.train_idx, p),
+        _materialise(ds.x_test, ds.y_test, p.test_idx, p),
+        np.asarray(p.group, np.int64), ds.task, ds.num_classes, ds.input_shape,
+    )

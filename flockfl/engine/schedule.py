@@ -1,0 +1,82 @@
+"""Local batch schedules: which samples each client uses at each local step.
+
+Both trainers consume the same schedule, so they see identical data orders. A client's
+order comes from the stream (seed, round, client, "shuffle") alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from flockfl.rng import np_rng
+
+
+@dataclass
+class LocalSpec:
+    """How the selected clients train this round (from ``Algorithm.local_spec``)."""
+
+    clients: np.ndarray  # client ids, in cohort order
+    init: dict[str, torch.Tensor]  # stacked initial parameters, leading axis = clients
+    lr: float
+    epochs: int = 1
+    steps: Optional[int] = None  # fixed local steps (overrides epochs)
+    batch_size: int = 10
+    full_batch: bool = False
+    meta: Optional[dict] = None  # algorithm-specific facts the cluster/aggregate hooks need
+
+
+def client_batches(n: int, spec: LocalSpec, rng: np.random.Generator) -> list[np.ndarray]:
+    """Local sample indices of every step for one client of size ``n``."""
+    if n == 0:
+        return []
+    if spec.full_batch:
+        return [np.arange(n)] * (spec.steps or spec.epochs)
+    b = min(spec.batch_size, n)
+    batches: list[np.ndarray] = []
+    while True:
+        perm = rng.permutation(n)
+        batches.extend(perm[i : i + b] for i in range(0, n, b))
+        if spec.steps is None:
+            if len(batches) >= spec.epochs * -(-n // b):
+                return batches
+        elif len(batches) >= spec.steps:
+            return batches[: spec.steps]
+
+
+def cohort_schedule(spec: LocalSpec, sizes: np.ndarray, seed: int, round: int) -> list[list[np.ndarray]]:
+    return [client_batches(int(sizes[c]), spec, np_rng(seed, round, int(c), "shuffle")) for c in spec.clients]
+
+
+@dataclass
+class StackedSchedule:
+    """A cohort schedule as tensors: step s of client c uses ``index[s, c, :]`` with
+    per-sample weights ``weight[s, c, :]`` (1/batch size, 0 for padding)."""
+
+    index: torch.Tensor  # [S, C, B] global sample indices
+    weight: torch.Tensor  # [S, C, B]
+    active: torch.Tensor  # [S, C] bool: the client takes a step
+
+    @property
+    def steps(self) -> int:
+        return self.index.shape[0]
+
+
+def stack_schedule(batches: list[list[np.ndarray]], offsets: np.ndarray, clients: np.ndarray) -> StackedSchedule:
+    c_count = len(batches)
+    s_max = max((len(b) for b in batches), default=0)
+    b_max = max((len(x) for b in batches for x in b), default=1)
+    index = np.zeros((s_max, c_count, b_max), np.int64)
+    weight = np.zeros((s_max, c_count, b_max), np.float32)
+    active = np.zeros((s_max, c_count), bool)
+    for ci, (cid, steps) in enumerate(zip(clients, batches)):
+        base = offsets[cid]
+        for s, local in enumerate(steps):
+            index[s, ci, : len(local)] = base + local
+            index[s, ci, len(local) :] = base  # padding points at a real sample, weight 0
+            weight[s, ci, : len(local)] = 1.0 / len(local)
+            active[s, ci] = True
+    return StackedSchedule(torch.from_numpy(index), torch.from_numpy(weight), torch.from_numpy(active))

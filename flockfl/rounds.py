@@ -1,0 +1,170 @@
+"""The stages of a round as plain functions (what ``tasks/`` wraps), and a plain loop.
+
+``run_rounds`` drives the same stages without Prefect; the flow in ``flows/experiment.py``
+calls them as tasks. Both produce bit-identical states for the same config.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from flockfl.algorithms import Algorithm, RunContext, build_algorithm
+from flockfl.config import ExperimentConfig
+from flockfl.data import build_client_data, build_or_load, load_dataset
+from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
+from flockfl.state import ServerState
+from models import build_model
+
+
+class ClientFailure(RuntimeError):
+    """Local training of one or more clients failed."""
+
+
+@dataclass
+class PreparedRun:
+    cfg: ExperimentConfig
+    ctx: RunContext
+    algorithm: Algorithm
+    partition_path: Path
+    partition_hash: str
+    partition_cached: bool
+    threads: int
+    info: dict = field(default_factory=dict)
+
+
+def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions") -> PreparedRun:
+    """Load the data, build or load the partition (content-addressed cache), and the model."""
+    threads = configure_threads(cfg.train.threads)
+    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    part, path, cached = build_or_load(ds, cfg, partitions_root)
+    data = build_client_data(ds, part).to(resolve_device(cfg.train.device))
+    model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
+    truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
+    ctx = RunContext(cfg, model, data, truth)
+    return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads)
+
+
+# ---------------------------------------------------------------------- training
+
+
+def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
+    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients."""
+    n = len(spec.clients)
+    shards = []
+    for a in range(0, n, shard_size):
+        sl = slice(a, min(n, a + shard_size))
+        shards.append(replace(spec, clients=spec.clients[sl], init={k: v[sl] for k, v in spec.init.items()}))
+    return shards or [spec]
+
+
+def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int) -> TrainResult:
+    """Train one shard; raise :class:`ClientFailure` if any client failed or diverged."""
+    bad = sorted(set(int(c) for c in spec.clients) & set(ctx.cfg.train.simulate_failures))
+    if bad:
+        raise ClientFailure(f"simulated failure of clients {bad}")
+    result = TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
+    finite = torch.stack([torch.isfinite(v.reshape(len(result.clients), -1)).all(1) for v in result.params.values()]).all(0)
+    if not bool(finite.all()):
+        raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
+    return result
+
+
+def isolate_failures(ctx: RunContext, spec: LocalSpec, engine: str, round: int) -> tuple[Optional[TrainResult], list[int]]:
+    """After a shard failed its retries: train its clients one by one, drop those that fail."""
+    parts, dropped = [], []
+    for one in split_spec(spec, 1):
+        try:
+            parts.append(train_shard(ctx, one, engine, round))
+        except Exception:
+            dropped.append(int(one.clients[0]))
+    return (TrainResult.concat(parts) if parts else None), dropped
+
+
+def restrict_spec(spec: LocalSpec, clients: np.ndarray) -> LocalSpec:
+    """The spec of the clients that survived (their metadata rows follow them)."""
+    pos = np.searchsorted(spec.clients, clients) if np.all(np.diff(spec.clients) > 0) else \
+        np.array([int(np.flatnonzero(spec.clients == c)[0]) for c in clients])
+    meta = {k: (v[pos] if isinstance(v, np.ndarray) and len(v) == len(spec.clients) else v)
+            for k, v in (spec.meta or {}).items()}
+    return replace(spec, clients=spec.clients[pos], init={k: v[torch.from_numpy(pos)] for k, v in spec.init.items()}, meta=meta)
+
+
+def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
+    """The trainer for this run: the configured one, or (auto) the faster on the first cohort.
+
+    The choice is stored in the state so that a resumed run keeps it (bit-identical)."""
+    if "engine" in state.meta:
+        return state.meta["engine"]
+    cfg = prep.cfg.train
+    if cfg.engine != "auto":
+        state.meta["engine"], state.meta["engine_reason"] = cfg.engine, "configured"
+        return cfg.engine
+    shard = split_spec(spec, cfg.shard_size)[0]
+    choice, timings = choose_engine(prep.ctx.model, shard, prep.ctx.data.train, prep.ctx.data.task, prep.cfg.seed)
+    state.meta["engine"] = choice
+    state.meta["engine_reason"] = "auto: " + ", ".join(f"{k}={v:.4f}" for k, v in timings.items())
+    return choice
+
+
+# ---------------------------------------------------------------------- one round, plain
+
+
+def finish_round(prep: PreparedRun, state: ServerState, clients: np.ndarray, metrics: dict[str, Any],
+                 dropped: list[int], wall: float) -> tuple[ServerState, dict[str, Any]]:
+    """Fold one round's evaluation into the state: history row, assignment history, counter."""
+    down, up = prep.algorithm.comm_bytes(state, clients)
+    row = {k: v for k, v in metrics.items() if not k.startswith("_")}
+    row.update({"round": state.round + 1, "clients": len(clients), "clients_dropped": len(dropped),
+                "bytes_down": down, "bytes_up": up, "bytes_total": down + up, "round_time_s": wall})
+    hist = np.vstack([state.assignment_history, metrics["_assignment"][None, :]])
+    return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist), row
+
+
+def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[ServerState, dict[str, Any]]:
+    """select → train (sharded) → cluster → aggregate → evaluate, with no orchestrator."""
+    t0 = time.perf_counter()
+    alg, ctx = prep.algorithm, prep.ctx
+    clients = alg.select(state, ctx, round)
+    spec = alg.local_spec(state, ctx, clients, round)
+    engine = pick_engine(prep, state, spec)
+    parts, dropped = [], []
+    for shard in split_spec(spec, prep.cfg.train.shard_size):
+        try:
+            parts.append(train_shard(ctx, shard, engine, round))
+        except Exception:
+            part, lost = isolate_failures(ctx, shard, engine, round)
+            parts += [part] if part is not None else []
+            dropped += lost
+    if parts:
+        result = TrainResult.concat(parts)
+        spec = restrict_spec(spec, result.clients)
+        assign = alg.cluster(state, ctx, spec, result)
+        state = alg.aggregate(state, ctx, spec, result, assign)
+    metrics = alg.evaluate(state, ctx)
+    return finish_round(prep, state, clients, metrics, dropped, time.perf_counter() - t0)
+
+
+def run_rounds(prep: PreparedRun, state: Optional[ServerState] = None, until: Optional[int] = None,
+               on_round: Optional[Callable[[ServerState, dict], None]] = None) -> ServerState:
+    state = state or prep.algorithm.init_state(prep.ctx)
+    for r in range(state.round, until if until is not None else prep.cfg.train.rounds):
+        state, row = run_round(prep, state, r)
+        if on_round:
+            on_round(state, row)
+    return state
+
+
+def summarise(state: ServerState) -> dict[str, Any]:
+    """Final metrics, and the median round time leaving out the first round."""
+    last = state.history[-1] if state.history else {}
+    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "ari", "nmi", "num_clusters", "min_dist")
+    metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
+    times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
+    return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan")}

@@ -1,0 +1,168 @@
+"""ServerState and its atomic, checksummed checkpoints.
+
+A checkpoint file is ``MAGIC + sha256(payload) + payload`` where the payload is a
+``torch.save`` of the state. It is written to a temp file, fsynced and renamed, so a crash
+leaves either the old file or the new one. Loading verifies the checksum; a corrupt or
+truncated file is refused and the previous good checkpoint is used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+MAGIC = b"FLOCKFL-CKPT-1\n"
+CKPT_RE = re.compile(r"^ckpt-(\d{6})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be trusted (bad checksum, truncated, wrong format)."""
+
+
+@dataclass
+class ServerState:
+    """Everything needed to continue a run.
+
+    ``round`` counts completed rounds. ``models`` holds k stacked models (leading axis =
+    cluster; k = 1 for a single global model). ``assignments`` is the last known cluster of
+    every client (-1 = never assigned); ``assignment_history`` has one row per round.
+    ``algo`` holds algorithm-specific tensors (server optimiser moments, control
+    variates, ...). Random streams need no saved state: every draw is a pure function of
+    (seed, round, client, purpose), recorded in ``meta['rng']``.
+    """
+
+    round: int
+    models: dict[str, torch.Tensor]
+    assignments: np.ndarray
+    assignment_history: np.ndarray
+    algo: dict[str, Any] = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def replace(self, **changes: Any) -> "ServerState":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def k(self) -> int:
+        return next(iter(self.models.values())).shape[0]
+
+    def digest(self) -> str:
+        """SHA-256 of the model tensors, algorithm tensors and assignments (bit-exact identity)."""
+        h = hashlib.sha256()
+        for name in sorted(self.models):
+            t = self.models[name].detach().cpu().contiguous()
+            h.update(name.encode())
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.numpy().tobytes())
+        for name in sorted(self.algo):
+            v = self.algo[name]
+            if isinstance(v, torch.Tensor):
+                h.update(name.encode())
+                h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        h.update(np.ascontiguousarray(self.assignments, dtype=np.int64).tobytes())
+        return h.hexdigest()
+
+    def to_payload(self) -> dict[str, Any]:
+        return {
+            "round": self.round,
+            "models": {k: v.detach().cpu() for k, v in self.models.items()},
+            "assignments": torch.from_numpy(np.asarray(self.assignments, np.int64)),
+            "assignment_history": torch.from_numpy(np.asarray(self.assignment_history, np.int64)),
+            "algo": {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in self.algo.items()},
+            "history": self.history,
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_payload(cls, p: dict[str, Any]) -> "ServerState":
+        return cls(
+            int(p["round"]), dict(p["models"]), p["assignments"].numpy(), p["assignment_history"].numpy(),
+            dict(p["algo"]), list(p["history"]), dict(p["meta"]),
+        )
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes, round: int = -1) -> None:
+    from flockfl.faults import maybe_crash
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    maybe_crash("checkpoint_tmp", round)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def encode_state(state: ServerState) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state.to_payload(), buf)
+    payload = buf.getvalue()
+    return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+
+
+def decode_state(data: bytes, source: str = "checkpoint") -> ServerState:
+    if not data.startswith(MAGIC):
+        raise CheckpointError(f"{source}: not a flockfl checkpoint (bad header)")
+    head_end = len(MAGIC) + 65
+    if len(data) < head_end:
+        raise CheckpointError(f"{source}: truncated (header incomplete)")
+    digest, payload = data[len(MAGIC) : head_end - 1].decode("ascii", "replace"), data[head_end:]
+    if hashlib.sha256(payload).hexdigest() != digest:
+        raise CheckpointError(f"{source}: checksum mismatch (truncated or corrupt)")
+    try:
+        return ServerState.from_payload(torch.load(io.BytesIO(payload), weights_only=False))
+    except Exception as err:
+        raise CheckpointError(f"{source}: unreadable payload ({type(err).__name__})") from None
+
+
+def checkpoint_path(run_dir: Path, round: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"ckpt-{round:06d}.pt"
+
+
+def save_checkpoint(state: ServerState, run_dir: Path, keep: int = 3) -> Path:
+    """Atomically write the state for its round and prune all but the newest ``keep``."""
+    path = checkpoint_path(run_dir, state.round)
+    atomic_write(path, encode_state(state), state.round - 1)
+    for old in list_checkpoints(run_dir)[:-keep]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    d = Path(run_dir) / "checkpoints"
+    if not d.is_dir():
+        return []
+    return sorted(p for p in d.iterdir() if CKPT_RE.match(p.name))
+
+
+def load_latest(run_dir: Path) -> tuple[Optional[ServerState], list[str]]:
+    """The newest checkpoint that verifies, plus one warning per rejected newer file."""
+    warnings = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return decode_state(path.read_bytes(), str(path)), warnings
+        except (CheckpointError, OSError) as err:
+            warnings.append(f"refused {err}; falling back to the previous checkpoint")
+    return None, warnings

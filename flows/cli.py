@@ -1,0 +1,258 @@
+"""``flock``: run, resume, partition, list and browse experiments.
+
+Every user error (bad config, missing data, corrupt checkpoint, unknown run) exits with
+code 2 and one line on stderr. Unexpected errors exit 1 with one line; the traceback is
+kept in ``<run-dir>/error.log`` (or printed with ``FLOCKFL_DEBUG=1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from flows.env import configure_environment
+
+EXIT_USAGE = 2
+
+
+class UserError(Exception):
+    """An error the user can fix; printed as one line, exit code 2."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flock", description="Clustered and personalised federated learning pipelines.")
+    p.add_argument("--verbose", action="store_true", help="show Prefect's logs")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run an experiment (a params.yaml name or a YAML config)")
+    run.add_argument("config", metavar="CONFIG_OR_NAME")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    run.add_argument("--run-dir", help="checkpoint directory (default runs/<experiment>-<time>)")
+    run.add_argument("--resume", action="store_true", help="continue the run in --run-dir if it has checkpoints")
+    _common(run)
+
+    res = sub.add_parser("resume", help="continue a killed run from its last checkpoint")
+    res.add_argument("run", metavar="RUN_DIR_OR_MLFLOW_RUN_ID")
+    _common(res, config=False)
+
+    part = sub.add_parser("partition", help="build and save a partition (data/partitions/<name>.npz + .json)")
+    part.add_argument("name", metavar="PARTITION_OR_CONFIG", help="a partition or experiment in params.yaml, or a YAML config")
+    part.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    part.add_argument("--params", default="params.yaml")
+    part.add_argument("--out", default="data/partitions", help="partitions folder")
+    part.add_argument("--json", action="store_true")
+
+    ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 against the run store")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--tracking-uri")
+
+    lst = sub.add_parser("list", help="experiments in params.yaml and the registered algorithms")
+    lst.add_argument("--params", default="params.yaml")
+    return p
+
+
+def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    p.add_argument("--partitions", default="data/partitions", help="partitions folder")
+    p.add_argument("--no-progress", action="store_true")
+    if config:
+        p.add_argument("--params", default="params.yaml")
+        p.add_argument("--metrics-file", help="also write the final metrics here (for DVC)")
+
+
+# ---------------------------------------------------------------------- commands
+
+
+def cmd_run(args) -> dict:
+    from flockfl.config import load_experiment
+    from flockfl.state import list_checkpoints
+
+    cfg = load_experiment(args.config, args.overrides, args.params)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.run_dir or f"runs/{cfg.name}-{stamp}")
+    if list_checkpoints(run_dir) and not args.resume:
+        raise UserError(f"{run_dir} already holds checkpoints; continue it with: flock resume {run_dir}")
+    return _execute(cfg, run_dir, args, fresh=not list_checkpoints(run_dir))
+
+
+def cmd_resume(args) -> dict:
+    from flockfl.config import validate
+    from flows.experiment import read_run_file
+
+    run_dir = Path(args.run)
+    if not (run_dir / "run.json").exists():
+        run_dir = _run_dir_from_mlflow(args.run, args.tracking_uri)
+    info = read_run_file(run_dir)
+    if "config" not in info:
+        raise UserError(f"{run_dir}/run.json has no config; it was not written by flock run")
+    cfg = validate(info["config"])
+    args.tracking_uri = args.tracking_uri or info.get("tracking_uri")
+    args.partitions = info.get("partitions_root", args.partitions)
+    args.metrics_file = info.get("metrics_file")
+    return _execute(cfg, run_dir, args, fresh=False)
+
+
+def _run_dir_from_mlflow(run_id: str, uri: str | None) -> Path:
+    from tasks.tracking import resolve_tracking_uri
+
+    if not all(c in "0123456789abcdef" for c in run_id.lower()) or len(run_id) < 16:
+        raise UserError(f"{run_id!r} is neither a run directory (with run.json) nor an MLflow run id")
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    try:
+        run = MlflowClient(resolve_tracking_uri(uri, None)).get_run(run_id)
+    except MlflowException:
+        raise UserError(f"MLflow run {run_id} not found in {resolve_tracking_uri(uri, None)}; pass --tracking-uri") from None
+    d = run.data.tags.get("flockfl.run_dir")
+    if not d or not (Path(d) / "run.json").exists():
+        raise UserError(f"MLflow run {run_id} has no flockfl run directory on this machine ({d or 'no tag'})")
+    return Path(d)
+
+
+def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
+    from flows.experiment import read_run_file, run_experiment, write_run_file
+    from tasks.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri, cfg.tracking.uri)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    info = read_run_file(run_dir)
+    if fresh or "config" not in info:
+        info.update({"config": cfg.model_dump(), "tracking_uri": uri, "partitions_root": str(Path(args.partitions).resolve()),
+                     "metrics_file": getattr(args, "metrics_file", None), "created": dt.datetime.now().isoformat()})
+        write_run_file(run_dir, info)
+    summary = run_experiment(cfg, run_dir, info.get("partitions_root", args.partitions), uri,
+                             progress=not args.no_progress)
+    if info.get("metrics_file") or getattr(args, "metrics_file", None):
+        path = Path(info.get("metrics_file") or args.metrics_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"rounds": summary["rounds"], **summary["metrics"],
+                                    "round_s_median": summary["round_s_median"]}, indent=1, sort_keys=True))
+    summary["tracking_uri"] = uri
+    return summary
+
+
+def cmd_partition(args) -> dict:
+    from flockfl.config import ConfigError, load_experiment, load_partition_config, load_params
+    from flockfl.data import build_or_load, load_dataset
+    from flockfl.data.partition import summary
+
+    params = load_params(args.params)
+    if args.name in (params.get("partitions") or {}):
+        cfg = load_partition_config(args.name, args.params)
+        if args.overrides:
+            from flockfl.config import deep_merge, parse_set, validate
+
+            cfg = validate(deep_merge(cfg.model_dump(), parse_set(args.overrides)))
+    else:
+        try:
+            cfg = load_experiment(args.name, args.overrides, args.params)
+        except ConfigError as err:
+            known = ", ".join(sorted(params.get("partitions") or {})) or "none"
+            raise ConfigError(f"{err} (partitions: {known})") from None
+    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    part, path, cached = build_or_load(ds, cfg, args.out)
+    s = summary(part, ds)
+    return {"partition": str(path), "cached": cached, "content_hash": part.content_hash,
+            "num_clients": s["num_clients"], "size_stats": s["size_stats"], "label_skew_tv": s.get("label_skew_tv")}
+
+
+def cmd_ui(args) -> None:
+    from tasks.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri, None)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri", uri]
+    print(f"MLflow UI on http://127.0.0.1:{args.port} (store {uri}); Ctrl-C to stop", flush=True)
+    try:
+        subprocess.run(cmd, check=False)
+    except KeyboardInterrupt:
+        pass
+
+
+def cmd_list(args) -> dict:
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.config import DATASETS, MODELS, SCHEMES, load_params
+
+    params = load_params(args.params)
+    return {
+        "experiments": sorted(params.get("experiments") or {}),
+        "partitions": sorted(params.get("partitions") or {}),
+        "algorithms": sorted(ALGORITHMS),
+        "datasets": list(DATASETS),
+        "schemes": list(SCHEMES),
+        "models": list(MODELS),
+    }
+
+
+# ---------------------------------------------------------------------- output
+
+
+def _print_summary(s: dict) -> None:
+    m = s.get("metrics", {})
+    rows = [("experiment", s.get("experiment")), ("rounds", s.get("rounds"))]
+    rows += [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in m.items()]
+    rows += [("engine", s.get("engine")), ("round_s_median", f"{s.get('round_s_median', float('nan')):.3f}"),
+             ("wall_s", f"{s.get('wall_s', 0):.1f}"), ("run_dir", s.get("run_dir")), ("mlflow run", s.get("run_id")),
+             ("state_sha256", (s.get("state_sha256") or "")[:16] + "…")]
+    width = max(len(str(k)) for k, _ in rows)
+    for k, v in rows:
+        print(f"  {str(k).ljust(width)}  {v}")
+    if s.get("clients_dropped"):
+        print(f"  {'dropped'.ljust(width)}  {s['clients_dropped']} client trainings failed and were dropped")
+    for w in s.get("checkpoint_warnings", []):
+        print(f"  warning: {w}")
+    print(f"Browse it: flock ui --tracking-uri {s.get('tracking_uri')}  (then open http://127.0.0.1:5000)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    configure_environment(verbose=args.verbose)
+    from flockfl.config import ConfigError
+    from flockfl.state import CheckpointError
+
+    t0 = time.perf_counter()
+    try:
+        if args.command in ("run", "resume"):
+            out = cmd_run(args) if args.command == "run" else cmd_resume(args)
+            if args.json:
+                print(json.dumps(out, default=str))
+            else:
+                _print_summary(out)
+        elif args.command == "partition":
+            out = cmd_partition(args)
+            print(json.dumps(out) if args.json else
+                  f"partition {out['partition']} ({'cached' if out['cached'] else 'built'}): {out['num_clients']} clients, "
+                  f"sizes {out['size_stats']}, sha256 {out['content_hash'][:16]}…")
+        elif args.command == "ui":
+            cmd_ui(args)
+        elif args.command == "list":
+            out = cmd_list(args)
+            for k, v in out.items():
+                print(f"{k}: {', '.join(v) if v else '(none)'}")
+    except (ConfigError, CheckpointError, UserError) as err:
+        print(f"flock: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("flock: interrupted; continue with flock resume RUN_DIR", file=sys.stderr)
+        return 130
+    except Exception as err:  # unexpected: one line, traceback kept on disk
+        if os.environ.get("FLOCKFL_DEBUG"):
+            raise
+        print(f"flock: error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+              f"(traceback in <run-dir>/error.log; FLOCKFL_DEBUG=1 shows it)", file=sys.stderr)
+        return 1
+    finally:
+        if args.command in ("run", "resume") and os.environ.get("FLOCKFL_TIMING"):
+            print(f"flock: {time.perf_counter() - t0:.1f}s in main", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Environment defaults for every entry point (CLI, tests, DVC stages).
+
+Call :func:`configure_environment` before Prefect or MLflow is imported. Each value is a
+default: anything the user already exported wins.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DEFAULTS = {
+    # No telemetry: the machines running flockfl are often offline.
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "true",
+    "DVC_NO_ANALYTICS": "1",
+    "MLFLOW_DISABLE_TELEMETRY": "true",
+    # The ephemeral server records task-run events one by one by default; after a burst the
+    # SQLite backlog makes the API answer 503 and the client backs off for up to a minute
+    # (the "stall at exit"). Recording in batches of 200 removes the backlog.
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE": "200",
+    "PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_READ_BATCH_SIZE": "200",
+    # Quiet by default: flockfl reports errors itself, in one line (--verbose restores INFO).
+    "PREFECT_LOGGING_LEVEL": "CRITICAL",
+    "PREFECT_LOGGING_TO_API_ENABLED": "false",
+    # Ephemeral servers would otherwise start a UI build and print a banner.
+    "PREFECT_UI_ENABLED": "false",
+    "GIT_PYTHON_REFRESH": "quiet",
+    "MLFLOW_LOGGING_LEVEL": "WARNING",
+}
+
+
+def configure_environment(verbose: bool = False, home: str | Path | None = None) -> None:
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    if verbose:
+        os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
+    os.environ.setdefault("PREFECT_HOME", str(Path(home or Path.cwd() / ".prefect").resolve()))
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*local version label.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="mlflow")

@@ -1,0 +1,206 @@
+"""The experiment flow: partition, restore, then rounds of select → train → cluster →
+aggregate → evaluate → checkpoint/log.
+
+Local training is mapped over shards of the cohort (each a vectorised batch of clients),
+never one task per client. A failed shard is retried; if it still fails its clients are
+trained one by one and the failing ones are dropped and recorded, and the round goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote as Q
+
+import tasks
+from flockfl import rounds
+from flockfl.config import ExperimentConfig, validate
+from flockfl.engine import TrainResult
+from flockfl.faults import maybe_crash
+from flockfl.state import ServerState
+from tasks.tracking import Tracker
+
+RUN_FILE = "run.json"
+
+
+def read_run_file(run_dir: Path) -> dict:
+    p = Path(run_dir) / RUN_FILE
+    return json.loads(p.read_text()) if p.exists() else {}
+
+
+def write_run_file(run_dir: Path, info: dict) -> None:
+    from flockfl.state import atomic_write
+
+    atomic_write(Path(run_dir) / RUN_FILE, json.dumps(info, indent=1, sort_keys=True).encode())
+
+
+class Progress:
+    """A rich progress bar on stderr (only when stderr is a terminal)."""
+
+    def __init__(self, total: int, start: int, name: str, enabled: bool):
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self.bar = RichProgress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(),
+                                    console=Console(stderr=True), transient=False)
+            self.task = self.bar.add_task(name, total=total, completed=start, info="")
+            self.bar.start()
+
+    def update(self, row: dict) -> None:
+        if self.bar:
+            info = " ".join(f"{k}={row[k]:.3f}" for k in ("accuracy", "loss", "ari") if k in row)
+            self.bar.update(self.task, completed=row["round"], info=info)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.stop()
+
+
+def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri: str) -> Optional[Tracker]:
+    if not cfg.tracking.enabled:
+        return None
+    info = read_run_file(run_dir)
+    run_id = state.meta.get("mlflow_run_id") or info.get("mlflow_run_id")
+    tracker = Tracker(uri, cfg.tracking.experiment or cfg.name, run_dir.name, run_id=run_id,
+                      params=cfg.to_flat(), tags={"flockfl.run_dir": str(run_dir.resolve()),
+                                                  "flockfl.config_sha256": cfg.digest()})
+    if run_id is None:
+        info["mlflow_run_id"] = tracker.run_id
+        write_run_file(run_dir, info)
+    state.meta["mlflow_run_id"] = tracker.run_id
+    return tracker
+
+
+def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optional[TrainResult], list[int]]:
+    cfg = prep.cfg.train
+    shards = rounds.split_spec(spec, cfg.shard_size)
+    train = tasks.train_shard.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
+    futures = [train.submit(Q(prep), Q(shard), engine, r) for shard in shards]
+    parts, dropped = [], []
+    for shard, fut in zip(shards, futures):
+        fut.wait()
+        if fut.state.is_completed():
+            parts.append(fut.result())
+        else:
+            part, lost = tasks.isolate_failures(Q(prep), Q(shard), engine, r)
+            parts += [part] if part is not None else []
+            dropped += lost
+    return (TrainResult.concat(parts) if parts else None), dropped
+
+
+def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, tracker: Optional[Tracker]) -> dict:
+    from flockfl import plots
+
+    cfg = prep.cfg
+    out: dict[str, Any] = {}
+    plot_dir = run_dir / "plots"
+    plot_dir.mkdir(exist_ok=True)
+    files = []
+    if cfg.tracking.plots and state.history:
+        files.append(plots.accuracy_curves(state.history, plot_dir / "accuracy_curves.png"))
+        files.append(plots.assignment_heatmap(state.assignment_history, prep.ctx.data.group, plot_dir / "cluster_assignments.png"))
+    if tracker:
+        for f in files:
+            tracker.log_artifact(f, "plots")
+        ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+        if ckpts:
+            tracker.log_artifact(ckpts[-1], "checkpoint")
+        name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
+        example = prep.ctx.data.train.x[:2].cpu().numpy()
+        out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example)
+        tracker.set_tags({"flockfl.engine": state.meta.get("engine", ""),
+                          "flockfl.partition_sha256": prep.partition_hash,
+                          "flockfl.state_sha256": state.digest()})
+    return out
+
+
+@flow(name="flockfl-experiment", persist_result=False, log_prints=False)
+def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/partitions",
+                    tracking_uri: str = "sqlite:///mlflow.db", progress: bool = True) -> dict:
+    """Run (or continue) one experiment; returns the summary that ``flock run --json`` prints.
+
+    In-memory values cross task boundaries wrapped in ``quote``: Prefect then skips walking
+    them for futures (that traversal of states and histories cost ~10 ms per task).
+    """
+    t_start = time.perf_counter()
+    cfg = validate(config)
+    run_path = Path(run_dir)
+    prep = tasks.partition(cfg, partitions_root)
+    state, warnings = tasks.restore(Q(prep), run_dir)
+    resumed_from = state.round
+    tracker = _open_tracker(cfg, state, run_path, tracking_uri)
+    if tracker and state.history:  # a resumed run: log the rounds the crash kept from MLflow
+        done = tracker.last_logged_round()
+        tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > done])
+    bar = Progress(cfg.train.rounds, state.round, cfg.name, progress)
+    periods = []
+    try:
+        for r in range(state.round, cfg.train.rounds):
+            t0 = time.perf_counter()
+            spec = tasks.select(Q(prep), Q(state), r)
+            engine = rounds.pick_engine(prep, state, spec)
+            result, dropped = _train(prep, spec, engine, r)
+            maybe_crash("train", r)
+            if result is not None:
+                kept = rounds.restrict_spec(spec, result.clients)
+                assign = tasks.cluster(Q(prep), Q(state), Q(kept), Q(result))
+                state = tasks.aggregate(Q(prep), Q(state), Q(kept), Q(result), Q(assign), r)
+            metrics = tasks.evaluate(Q(prep), Q(state), r)
+            state, row = rounds.finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0)
+            tasks.checkpoint(Q(state), run_dir, cfg.train.checkpoints_to_keep)
+            if tracker:
+                tasks.log_metrics(Q(tracker), Q([row]))
+            bar.update(row)
+            periods.append(time.perf_counter() - t0)
+        bar.close()
+        extra = _finalise(prep, state, run_path, tracker)
+    except BaseException:
+        bar.close()
+        (run_path / "error.log").write_text(traceback.format_exc())
+        if tracker:
+            tracker.finish("FAILED")
+        raise
+    if tracker:
+        tracker.finish("FINISHED")
+    summary = rounds.summarise(state)
+    timed = periods[1:] or periods
+    return {
+        "run_id": tracker.run_id if tracker else None,
+        "run_dir": str(run_path),
+        "experiment": cfg.name,
+        "rounds": state.round,
+        "resumed_from_round": resumed_from,
+        "metrics": summary["metrics"],
+        "state_sha256": state.digest(),
+        "wall_s": time.perf_counter() - t_start,
+        "round_s_median": float(np.median(timed)) if timed else float("nan"),
+        "compute_round_s_median": summary["round_s_median"],
+        "engine": state.meta.get("engine"),
+        "engine_reason": state.meta.get("engine_reason"),
+        "threads": prep.threads,
+        "partition": str(prep.partition_path),
+        "partition_sha256": prep.partition_hash,
+        "partition_cached": prep.partition_cached,
+        "checkpoint_warnings": warnings,
+        "clients_dropped": int(sum(h.get("clients_dropped", 0) for h in state.history)),
+        **extra,
+    }
+
+
+def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, tracking_uri: str,
+                   progress: bool = True) -> dict:
+    """Run the flow with a thread pool sized for the shards (one at a time on small machines)."""
+    runner = ThreadPoolTaskRunner(max_workers=max(1, cfg.train.parallel_shards))
+    return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(
+        cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress)
