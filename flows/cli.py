@@ -122,9 +122,10 @@ def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
     from tasks.tracking import resolve_tracking_uri
 
     uri = resolve_tracking_uri(args.tracking_uri, cfg.tracking.uri)
-    run_dir.mkdir(parents=True, exist_ok=True)
     info = read_run_file(run_dir)
     if fresh or "config" not in info:
+        _preflight(cfg, args.partitions)
+        run_dir.mkdir(parents=True, exist_ok=True)
         info.update({"config": cfg.model_dump(), "tracking_uri": uri, "partitions_root": str(Path(args.partitions).resolve()),
                      "metrics_file": getattr(args, "metrics_file", None), "created": dt.datetime.now().isoformat()})
         write_run_file(run_dir, info)
@@ -137,6 +138,15 @@ def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
                                     "round_s_median": summary["round_s_median"]}, indent=1, sort_keys=True))
     summary["tracking_uri"] = uri
     return summary
+
+
+def _preflight(cfg, partitions_root: str) -> None:
+    """Load the data and build (or find) the partition before Prefect starts, so that a
+    missing dataset or an impossible partition is one line, not a failed flow. The flow's
+    partition task then loads the cached file."""
+    from flockfl.data import build_or_load, load_dataset
+
+    build_or_load(load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients), cfg, partitions_root)
 
 
 def cmd_partition(args) -> dict:

@@ -22,7 +22,8 @@ def rotate_images(x: torch.Tensor, angle: float) -> torch.Tensor:
         return torch.rot90(x, int(round(quarter)) % 4, dims=(-2, -1))
     theta = torch.deg2rad(torch.tensor(angle, dtype=torch.float32))
     c, s = torch.cos(theta), torch.sin(theta)
-    mat = torch.stack([torch.stack([c, s, torch.tensor(0.0)]), torch.stack([-s, c, torch.tensor(0.0)])])
+    # grid_sample maps output coordinates to input ones: the inverse rotation, in (x, y↓) axes
+    mat = torch.stack([torch.stack([c, -s, torch.tensor(0.0)]), torch.stack([s, c, torch.tensor(0.0)])])
     grid = torch.nn.functional.affine_grid(mat.expand(len(x), 2, 3), list(x.shape), align_corners=False)
     return torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
 

@@ -1,0 +1,83 @@
+"""Shared fixtures. Prefect, MLflow and DVC run for real: Prefect in ephemeral mode with
+its home in a temp folder, MLflow on a temp SQLite store, DVC in a temp git repo."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_HOME = tempfile.mkdtemp(prefix="flockfl-test-prefect-")
+os.environ["PREFECT_HOME"] = _HOME
+
+from flows.env import configure_environment  # noqa: E402
+
+configure_environment(home=_HOME)
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def tiny_config(**over) -> dict:
+    """A small digits experiment as a raw (unvalidated) config dict."""
+    from flockfl.config import deep_merge
+
+    base = {
+        "name": "tiny", "seed": 3,
+        "dataset": {"name": "digits"},
+        "partition": {"scheme": "rotated", "num_clients": 12, "k": 2},
+        "model": {"name": "mlp", "hidden": 16},
+        "algorithm": {"name": "fedavg"},
+        "train": {"rounds": 3, "clients_per_round": 6, "local_epochs": 1, "batch_size": 16, "lr": 0.1},
+        "tracking": {"enabled": False},
+    }
+    return deep_merge(base, over)
+
+
+@pytest.fixture
+def make_cfg():
+    from flockfl.config import validate
+
+    return lambda **over: validate(tiny_config(**over))
+
+
+def flock_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = str(ROOT)
+    env.pop("FLOCKFL_CRASH_AT", None)
+    env.update(extra or {})
+    return env
+
+
+def run_flock(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run the real `flock` command in a subprocess (its own session, so a SIGKILL'd run's
+    ephemeral Prefect server can be reaped with its process group)."""
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, 9)  # reap orphans (the ephemeral API server) of a killed run
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def workdir(tmp_path) -> Path:
+    """A project folder with the repo's params.yaml, for CLI runs."""
+    (tmp_path / "params.yaml").write_text((ROOT / "params.yaml").read_text())
+    return tmp_path
