@@ -58,18 +58,26 @@ def flock_env(extra: dict | None = None) -> dict:
 
 
 def run_flock(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real `flock` command in a subprocess (its own session, so a SIGKILL'd run's
-    ephemeral Prefect server can be reaped with its process group)."""
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
+    """Run the real `flock` command in a subprocess, in its own session.
+
+    Output goes to files, not pipes: a SIGKILL'd flock leaves Prefect's ephemeral API server
+    running (re-parented to init) and holding inherited pipes open, so reading a pipe to
+    EOF would hang. Afterwards the whole process group is killed, which reaps that orphan.
+    """
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(env),
+                                stdout=out, stderr=err, text=True, start_new_session=True)
         try:
-            os.killpg(proc.pid, 9)  # reap orphans (the ephemeral API server) of a killed run
-        except ProcessLookupError:
-            pass
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
 def last_json(stdout: str) -> dict:

@@ -1,0 +1,134 @@
+"""End to end through the real `flock` process: Prefect (ephemeral API), MLflow (SQLite
+store, queried here), checkpoints, SIGKILL mid-round and `flock resume`."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import yaml
+
+from conftest import last_json, run_flock
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {
+    "name": "e2e", "seed": 1,
+    "dataset": {"name": "digits"},
+    "partition": {"scheme": "rotated", "num_clients": 16, "k": 2},
+    "model": {"name": "mlp", "hidden": 32},
+    "algorithm": {"name": "ifca", "k": 2},
+    "train": {"rounds": 5, "clients_per_round": 8, "local_epochs": 1, "batch_size": 10, "lr": 0.1, "engine": "vectorized"},
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    d = tmp_path_factory.mktemp("e2e")
+    (d / "e2e.yaml").write_text(yaml.safe_dump(CONFIG))
+    return d
+
+
+def uri(project) -> str:
+    return f"sqlite:///{project}/mlflow.db"
+
+
+@pytest.fixture(scope="module")
+def reference_run(project):
+    """One uninterrupted run: its summary is what every resumed run must reproduce."""
+    res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/full", "--json", "--tracking-uri", uri(project),
+                     "--metrics-file", "metrics/e2e.json"], project)
+    assert res.returncode == 0, res.stderr
+    return last_json(res.stdout)
+
+
+def test_json_summary(reference_run):
+    s = reference_run
+    for key in ("run_id", "rounds", "metrics", "state_sha256", "wall_s", "round_s_median"):
+        assert key in s
+    assert s["rounds"] == 5 and len(s["state_sha256"]) == 64
+    for key in ("accuracy", "loss", "ari", "nmi", "num_clusters"):
+        assert key in s["metrics"]
+    assert s["engine"] == "vectorized" and s["round_s_median"] > 0
+
+
+def test_mlflow_store_has_params_metrics_artifacts_and_models(project, reference_run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri(project))
+    run = client.get_run(reference_run["run_id"])
+    assert run.info.status == "FINISHED"
+    p = run.data.params
+    assert p["algorithm.name"] == "ifca" and p["partition.scheme"] == "rotated" and p["train.rounds"] == "5"
+    for key in ("accuracy", "accuracy_min", "accuracy_p10", "loss", "ari", "nmi", "num_clusters",
+                "round_time_s", "bytes_total", "cluster/0/accuracy"):
+        hist = client.get_metric_history(run.info.run_id, key)
+        assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5], key
+    arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/accuracy_curves.png", "plots/cluster_assignments.png"} <= arts
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/ckpt-000005.pt"]
+    versions = client.search_model_versions("name='flockfl-e2e'")
+    assert sorted(v.tags.get("cluster") for v in versions) == ["0", "1"]
+    assert all(v.run_id == run.info.run_id for v in versions)
+
+
+def test_metrics_file_for_dvc(project, reference_run):
+    import json
+
+    m = json.loads((project / "metrics/e2e.json").read_text())
+    assert m["rounds"] == 5 and m["accuracy"] == pytest.approx(reference_run["metrics"]["accuracy"])
+
+
+@pytest.mark.parametrize("crash_at", ["0:select", "1:train", "2:checkpoint_tmp", "3:evaluate"])
+def test_sigkill_then_resume_is_bit_identical(project, reference_run, crash_at):
+    run_dir = f"runs/killed-{crash_at.replace(':', '-')}"
+    res = run_flock(["run", "e2e.yaml", "--run-dir", run_dir, "--json", "--tracking-uri", uri(project)], project,
+                    env={"FLOCKFL_CRASH_AT": crash_at})
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    done = int(crash_at.split(":")[0])  # rounds completed before the crash (checkpoint_tmp: not renamed yet)
+    ckpts = sorted((project / run_dir / "checkpoints").glob("ckpt-*.pt")) if done else []
+    assert len(ckpts) == done
+    resumed = run_flock(["resume", run_dir, "--json"], project)
+    assert resumed.returncode == 0, resumed.stderr
+    s = last_json(resumed.stdout)
+    assert s["resumed_from_round"] == done
+    assert s["state_sha256"] == reference_run["state_sha256"]
+    assert s["metrics"] == reference_run["metrics"]
+    # the same MLflow run, each round logged exactly once
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri(project))
+    steps = [m.step for m in client.get_metric_history(s["run_id"], "round")]
+    assert sorted(steps) == [1, 2, 3, 4, 5]
+    assert client.get_run(s["run_id"]).info.status == "FINISHED"
+
+
+def test_resume_by_mlflow_run_id(project, reference_run):
+    res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/by-id", "--json", "--tracking-uri", uri(project)], project,
+                    env={"FLOCKFL_CRASH_AT": "2:aggregate"})
+    assert res.returncode == -signal.SIGKILL
+    import json
+
+    run_id = json.loads((project / "runs/by-id/run.json").read_text())["mlflow_run_id"]
+    resumed = run_flock(["resume", run_id, "--json", "--tracking-uri", uri(project)], project)
+    assert resumed.returncode == 0, resumed.stderr
+    s = last_json(resumed.stdout)
+    assert s["run_id"] == run_id and s["state_sha256"] == reference_run["state_sha256"]
+
+
+def test_failing_client_is_retried_dropped_and_recorded(project):
+    res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/faulty", "--json", "--tracking-uri", uri(project),
+                     "--set", "train.simulate_failures=[3]", "--set", "train.clients_per_round=16",
+                     "--set", "train.rounds=2", "--set", "tracking.register_model=false"], project)
+    assert res.returncode == 0, res.stderr
+    s = last_json(res.stdout)
+    assert s["clients_dropped"] == 2 and s["rounds"] == 2  # client 3 dropped in both rounds, the rounds went on
+    from mlflow.tracking import MlflowClient
+
+    hist = MlflowClient(uri(project)).get_metric_history(s["run_id"], "clients_dropped")
+    assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [1.0, 1.0]
+
+
+def test_existing_run_dir_is_not_overwritten(project, reference_run):
+    res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/full", "--tracking-uri", uri(project)], project, timeout=120)
+    assert res.returncode == 2 and "flock resume runs/full" in res.stderr
