@@ -33,9 +33,10 @@ def rel_err(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in a)
 
 
-@pytest.mark.parametrize("model_name", ["mclr", "mlp", "lenet5"])
+@pytest.mark.parametrize("model_name,method", [("mclr", "dense"), ("mclr", "func"), ("mlp", "dense"), ("mlp", "func"),
+                                               ("lenet5", "auto")])
 @pytest.mark.parametrize("mode", ["epochs", "steps", "full_batch"])
-def test_cohort_equals_reference(model_name, mode):
+def test_cohort_equals_reference(model_name, method, mode):
     sizes = [5, 17, 30, 1, 12, 23]
     data = random_clients(sizes)
     model = build_model(model_name, (1, 8, 8), 10, 32)
@@ -45,12 +46,35 @@ def test_cohort_equals_reference(model_name, mode):
           "full_batch": {"steps": 3, "full_batch": True}}[mode]
     spec = LocalSpec(clients, init, 0.1, **kw)
     ref = train_reference(model, spec, data.train, data.task, seed=4, round=2)
-    vec = train_cohort(model, spec, data.train, data.task, seed=4, round=2)
+    vec = train_cohort(model, spec, data.train, data.task, seed=4, round=2, method=method)
     assert rel_err(vec.params, ref.params) < 1e-5
     np.testing.assert_array_equal(vec.num_steps, ref.num_steps)
     np.testing.assert_allclose(vec.loss, ref.loss, rtol=1e-4)
     # and training did something: parameters moved
     assert rel_err(ref.params, init) > 1e-3
+
+
+def test_dense_path_regression_matches_reference():
+    g = torch.Generator().manual_seed(0)
+    sizes = [7, 20, 13]
+    off = np.cumsum([0] + sizes)
+    data = Split(torch.randn(40, 6, generator=g), torch.randn(40, generator=g), off)
+    model = build_model("linear", (6,), 1)
+    init = {"1.weight": torch.randn(3, 1, 6, generator=g)}
+    spec = LocalSpec(np.arange(3), init, 0.05, epochs=3, batch_size=4)
+    ref = train_reference(model, spec, data, "regression", 0, 0)
+    vec = train_cohort(model, spec, data, "regression", 0, 0, method="dense")
+    assert rel_err(vec.params, ref.params) < 1e-5
+    np.testing.assert_allclose(vec.loss, ref.loss, rtol=1e-4)
+
+
+def test_dense_path_only_for_linear_relu_stacks():
+    from flockfl.engine.dense import dense_layers
+
+    assert dense_layers(build_model("mlp", (1, 8, 8), 10)) == ["1", "3"]
+    assert dense_layers(build_model("mclr", (1, 8, 8), 10)) == ["1"]
+    assert dense_layers(build_model("lenet5", (1, 8, 8), 10)) is None
+    assert dense_layers(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))) is None  # no ReLU between
 
 
 def test_unequal_sizes_take_their_own_number_of_steps():

@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.data.clients import Split
+from flockfl.engine.dense import dense_layers, dense_step
 from flockfl.engine.functional import per_sample_loss, stack
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
 
@@ -77,15 +78,22 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
     )
 
 
-def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int, round: int) -> TrainResult:
-    """All clients at once: parameters stacked on a leading axis, one ``vmap(grad)`` per step.
+def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int, round: int,
+                 method: str = "auto") -> TrainResult:
+    """All clients at once: parameters stacked on a leading axis, one batched step for all.
 
-    Clients of unequal size are handled as data: padded batch slots have weight 0 and a
-    client with no step left gets a zero gradient.
+    ``method``: ``dense`` (hand-written in-place step for Linear/ReLU stacks, see
+    :mod:`flockfl.engine.dense`), ``func`` (``vmap(grad)`` of ``functional_call``, any
+    model), or ``auto`` (dense where the model allows it). Clients of unequal size are
+    handled as data: padded batch slots have weight 0 and a client with no step left gets
+    a zero gradient.
     """
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
     params = {k: v.to(device).clone() for k, v in spec.init.items()}
+    layers = dense_layers(model) if method in ("auto", "dense") else None
+    if method == "dense" and layers is None:
+        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack")
 
     def weighted_loss(p, x, y, w):
         return (per_sample_loss(functional_call(model, p, (x,)), y, task) * w).sum()
@@ -94,10 +102,14 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     total = torch.zeros(len(spec.clients), device=device)
     index, weight = sched.index.to(device), sched.weight.to(device)
     for s in range(sched.steps):
-        g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
-        with torch.no_grad():
-            for k in params:
-                params[k] = params[k] - spec.lr * g[k]
+        xb, yb = data.x[index[s]], data.y[index[s]]
+        if layers is not None:
+            loss = dense_step(params, layers, xb, yb, weight[s], spec.lr, task)
+        else:
+            g, loss = step(params, xb, yb, weight[s])
+            with torch.no_grad():
+                for k in params:
+                    params[k] = params[k] - spec.lr * g[k]
         total += loss.detach()
     steps = sched.active.sum(0).numpy()
     return TrainResult(
