@@ -25,7 +25,7 @@ from torch import nn
 
 from flockfl.config import ExperimentConfig
 from flockfl.data.clients import ClientData
-from flockfl.engine.functional import index_params, losses_under_models, num_params, segment_mean, stack
+from flockfl.engine.functional import losses_under_models, num_params, segment_mean, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
 from flockfl.rng import np_rng, torch_generator
@@ -88,7 +88,8 @@ class Algorithm:
 
     def local_spec(self, state: ServerState, ctx: RunContext, clients: np.ndarray, round: int) -> LocalSpec:
         t = self.cfg.train
-        init = index_params(state.models, torch.zeros(len(clients), dtype=torch.long))
+        # every client starts from model 0: a broadcast view, materialised once by the trainer
+        init = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
         return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
                          meta={"model_of_client": np.zeros(len(clients), np.int64)})
 
@@ -110,9 +111,10 @@ class Algorithm:
             if len(members) == 0:
                 continue
             w = self.weights(result, members)
+            everyone = len(members) == len(result.clients)
             for k in models:
-                p = result.params[k][torch.from_numpy(members)]
-                models[k][j] = torch.tensordot(w.to(p.dtype), p, dims=1)
+                p = result.params[k] if everyone else result.params[k][torch.from_numpy(members)]
+                models[k][j] = (w.to(p.dtype) @ p.reshape(len(members), -1)).reshape(p.shape[1:])
         return self._with_assignments(state, models, result.clients, assign)
 
     def _with_assignments(self, state: ServerState, models: dict, clients: np.ndarray, assign: np.ndarray) -> ServerState:

@@ -71,3 +71,17 @@ def dense_step(params: dict[str, torch.Tensor], layers: list[str], x: torch.Tens
             b.sub_(delta.sum(1), alpha=lr)
         delta = nxt
     return loss
+
+
+@torch.no_grad()
+def dense_forward(models: dict[str, torch.Tensor], layers: list[str], x: torch.Tensor) -> torch.Tensor:
+    """Outputs of k stacked dense models on shared inputs x [N, ...]: returns [k, N, out]."""
+    a = x.reshape(1, x.shape[0], -1)
+    for i, name in enumerate(layers):
+        wt, b = models[f"{name}.weight"], models.get(f"{name}.bias")
+        a = torch.matmul(a, wt.transpose(1, 2))
+        if b is not None:
+            a += b.unsqueeze(1)
+        if i < len(layers) - 1:
+            a.clamp_min_(0)
+    return a

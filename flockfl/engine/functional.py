@@ -44,11 +44,22 @@ def losses_under_models(
     """Per-sample loss and correctness of every sample under each of k stacked models,
     in one vectorised pass per chunk: returns two [k, N] tensors."""
 
+    from flockfl.engine.dense import dense_forward, dense_layers
+
+    layers = dense_layers(model)
+
     def one(p, xc, yc):
         out = functional_call(model, p, (xc,))
         return per_sample_loss(out, yc, task), correct(out, yc, task)
 
-    batched = vmap(one, in_dims=(0, None, None))
+    def dense(p, xc, yc):  # the same, as k batched matmuls (no vmap tracing)
+        out = dense_forward(p, layers, xc)
+        yk = yc.expand(out.shape[0], *yc.shape)
+        flat = out.reshape(-1, out.shape[-1])
+        return (per_sample_loss(flat, yk.reshape(-1), task).reshape(yk.shape),
+                correct(flat, yk.reshape(-1), task).reshape(yk.shape))
+
+    batched = dense if layers is not None else vmap(one, in_dims=(0, None, None))
     losses, hits = [], []
     for a in range(0, len(y), chunk):
         l, h = batched(models, x[a : a + chunk], y[a : a + chunk])

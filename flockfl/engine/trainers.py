@@ -90,7 +90,8 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     """
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
-    params = {k: v.to(device).clone() for k, v in spec.init.items()}
+    # a private, contiguous copy (the init may be a broadcast view; dense steps write in place)
+    params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
     layers = dense_layers(model) if method in ("auto", "dense") else None
     if method == "dense" and layers is None:
         raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack")
