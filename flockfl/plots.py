@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 
 
 def accuracy_curves(history: list[dict], path: Path) -> Path:
+    history = [h for h in history if "loss" in h]  # evaluated rounds only
     rounds = [h["round"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 4))
     key = "accuracy" if any("accuracy" in h for h in history) else "loss"

@@ -119,14 +119,24 @@ def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
 # ---------------------------------------------------------------------- one round, plain
 
 
-def finish_round(prep: PreparedRun, state: ServerState, clients: np.ndarray, metrics: dict[str, Any],
+def should_evaluate(cfg: ExperimentConfig, round: int) -> bool:
+    """Every ``train.eval_every`` rounds, and always after the last one."""
+    return (round + 1) % cfg.train.eval_every == 0 or round + 1 == cfg.train.rounds
+
+
+def finish_round(prep: PreparedRun, state: ServerState, clients: np.ndarray, metrics: Optional[dict[str, Any]],
                  dropped: list[int], wall: float) -> tuple[ServerState, dict[str, Any]]:
-    """Fold one round's evaluation into the state: history row, assignment history, counter."""
+    """Fold one round into the state: history row, assignment history, counter.
+
+    ``metrics`` is None for a round that was not evaluated: its row then has only the
+    round's accounting, and its assignment-history row repeats the last known assignments.
+    """
     down, up = prep.algorithm.comm_bytes(state, clients)
-    row = {k: v for k, v in metrics.items() if not k.startswith("_")}
+    row = {k: v for k, v in (metrics or {}).items() if not k.startswith("_")}
     row.update({"round": state.round + 1, "clients": len(clients), "clients_dropped": len(dropped),
                 "bytes_down": down, "bytes_up": up, "bytes_total": down + up, "round_time_s": wall})
-    hist = np.vstack([state.assignment_history, metrics["_assignment"][None, :]])
+    assigned = metrics["_assignment"] if metrics else state.assignments
+    hist = np.vstack([state.assignment_history, assigned[None, :]])
     return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist), row
 
 
@@ -150,7 +160,7 @@ def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[Server
         spec = restrict_spec(spec, result.clients)
         assign = alg.cluster(state, ctx, spec, result)
         state = alg.aggregate(state, ctx, spec, result, assign)
-    metrics = alg.evaluate(state, ctx)
+    metrics = alg.evaluate(state, ctx) if should_evaluate(prep.cfg, round) else None
     return finish_round(prep, state, clients, metrics, dropped, time.perf_counter() - t0)
 
 

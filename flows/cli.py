@@ -34,7 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("config", metavar="CONFIG_OR_NAME")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     run.add_argument("--run-dir", help="checkpoint directory (default runs/<experiment>-<time>)")
-    run.add_argument("--resume", action="store_true", help="continue the run in --run-dir if it has checkpoints")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the run in --run-dir if it holds checkpoints of the same config "
+                          "(a changed config moves the old run aside and starts afresh)")
     _common(run)
 
     res = sub.add_parser("resume", help="continue a killed run from its last checkpoint")
@@ -74,11 +76,20 @@ def cmd_run(args) -> dict:
     from flockfl.config import load_experiment
     from flockfl.state import list_checkpoints
 
+    from flows.experiment import read_run_file
+
     cfg = load_experiment(args.config, args.overrides, args.params)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{stamp}")
-    if list_checkpoints(run_dir) and not args.resume:
-        raise UserError(f"{run_dir} already holds checkpoints; continue it with: flock resume {run_dir}")
+    if list_checkpoints(run_dir):
+        if not args.resume:
+            raise UserError(f"{run_dir} already holds checkpoints; continue it with: flock resume {run_dir}")
+        if read_run_file(run_dir).get("config") != cfg.model_dump():
+            # --resume with a changed config (e.g. a DVC stage whose params changed): keep the
+            # old run beside it, never delete it, and start afresh
+            archived = run_dir.with_name(f"{run_dir.name}.{stamp}")
+            run_dir.rename(archived)
+            print(f"flock: config changed; previous run moved to {archived}", file=sys.stderr)
     return _execute(cfg, run_dir, args, fresh=not list_checkpoints(run_dir))
 
 

@@ -161,7 +161,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                 kept = rounds.restrict_spec(spec, result.clients)
                 assign = tasks.cluster(Q(prep), Q(state), Q(kept), Q(result))
                 state = tasks.aggregate(Q(prep), Q(state), Q(kept), Q(result), Q(assign), r)
-            metrics = tasks.evaluate(Q(prep), Q(state), r)
+            metrics = tasks.evaluate(Q(prep), Q(state), r) if rounds.should_evaluate(cfg, r) else None
             state, row = rounds.finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0)
             tasks.checkpoint(Q(state), run_dir, cfg.train.checkpoints_to_keep)
             if tracker:

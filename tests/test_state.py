@@ -72,3 +72,10 @@ def test_resume_from_checkpoint_is_bit_identical(tmp_path, algo):
     resumed = run_rounds(prepare(cfg, tmp_path), restored)  # a fresh process would rebuild everything
     assert resumed.digest() == full.digest()
     assert [h["round"] for h in resumed.history] == [1, 2, 3, 4, 5]
+
+
+def test_eval_every_skips_evaluation_but_not_the_last_round(tmp_path):
+    cfg = validate(tiny_config(train={"rounds": 5, "eval_every": 2}))
+    state = run_rounds(prepare(cfg, tmp_path))
+    assert [("accuracy" in h) for h in state.history] == [False, True, False, True, True]
+    assert state.assignment_history.shape == (5, cfg.partition.num_clients)
