@@ -8,6 +8,8 @@ every call would cost more than the work. Durable state is the checkpoint file, 
 
 from __future__ import annotations
 
+import functools
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,32 @@ from flockfl.state import ServerState, load_latest, save_checkpoint
 
 _quiet = dict(cache_policy=NO_CACHE, persist_result=False)
 
+# Seconds spent inside task bodies, so the flow can report what orchestration itself costs
+# (round wall time minus time in the bodies).
+BODY_SECONDS = [0.0]
+
+
+def timed(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            BODY_SECONDS[0] += time.perf_counter() - t0
+
+    return wrapper
+
 
 @task(name="partition", **_quiet)
+@timed
 def partition(cfg, partitions_root: str) -> rounds.PreparedRun:
     """Load the dataset and build the partition, or load it from its content-addressed file."""
     return rounds.prepare(cfg, partitions_root)
 
 
 @task(name="restore", **_quiet)
+@timed
 def restore(prep: rounds.PreparedRun, run_dir: str) -> tuple[ServerState, list[str]]:
     """The latest good checkpoint in ``run_dir``, or a fresh round-0 state."""
     state, warnings = load_latest(Path(run_dir))
@@ -39,6 +59,7 @@ def restore(prep: rounds.PreparedRun, run_dir: str) -> tuple[ServerState, list[s
 
 
 @task(name="select", **_quiet)
+@timed
 def select(prep: rounds.PreparedRun, state: ServerState, round: int) -> LocalSpec:
     """Choose the cohort and how each client trains (``select`` + ``local_spec`` hooks)."""
     alg = prep.algorithm
@@ -49,21 +70,25 @@ def select(prep: rounds.PreparedRun, state: ServerState, round: int) -> LocalSpe
 
 
 @task(name="train_shard", **_quiet)
+@timed
 def train_shard(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int) -> TrainResult:
     return rounds.train_shard(prep.ctx, spec, engine, round)
 
 
 @task(name="isolate_failures", **_quiet)
+@timed
 def isolate_failures(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int):
     return rounds.isolate_failures(prep.ctx, spec, engine, round)
 
 
 @task(name="cluster", **_quiet)
+@timed
 def cluster(prep: rounds.PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult) -> np.ndarray:
     return prep.algorithm.cluster(state, prep.ctx, spec, result)
 
 
 @task(name="aggregate", **_quiet)
+@timed
 def aggregate(prep: rounds.PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult,
               assign: np.ndarray, round: int) -> ServerState:
     new = prep.algorithm.aggregate(state, prep.ctx, spec, result, assign)
@@ -72,6 +97,7 @@ def aggregate(prep: rounds.PreparedRun, state: ServerState, spec: LocalSpec, res
 
 
 @task(name="evaluate", **_quiet)
+@timed
 def evaluate(prep: rounds.PreparedRun, state: ServerState, round: int) -> dict[str, Any]:
     metrics = prep.algorithm.evaluate(state, prep.ctx)
     maybe_crash("evaluate", round)
@@ -79,6 +105,7 @@ def evaluate(prep: rounds.PreparedRun, state: ServerState, round: int) -> dict[s
 
 
 @task(name="checkpoint", **_quiet)
+@timed
 def checkpoint(state: ServerState, run_dir: str, keep: int) -> str:
     path = save_checkpoint(state, Path(run_dir), keep)
     maybe_crash("checkpoint", state.round - 1)
@@ -86,6 +113,7 @@ def checkpoint(state: ServerState, run_dir: str, keep: int) -> str:
 
 
 @task(name="log_metrics", **_quiet)
+@timed
 def log_metrics(tracker, rows: list[dict]) -> None:
     for row in rows:
         tracker.log_round(row)

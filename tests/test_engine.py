@@ -54,6 +54,26 @@ def test_cohort_equals_reference(model_name, method, mode):
     assert rel_err(ref.params, init) > 1e-3
 
 
+@pytest.mark.parametrize("model_name", ["mclr", "mlp"])
+@pytest.mark.parametrize("steps,batch", [(2, 4), (10, 4), (3, 30)])
+def test_low_rank_layers_from_a_shared_start_match_reference(model_name, steps, batch):
+    """FedAvg-style broadcast init: low-rank factors, including the switch to dense when the
+    rank passes its cap (10 steps × 4 > 16 for the 64→32 layer; batch 30 > cap at once)."""
+    from flockfl.engine.dense import DenseCohort
+
+    data = random_clients([5, 17, 30, 12, 23])
+    model = build_model(model_name, (1, 8, 8), 10, 32)
+    base = init_params(model, torch_generator(2, purpose="init"))
+    init = {k: v.unsqueeze(0).expand(5, *v.shape) for k, v in base.items()}
+    spec = LocalSpec(np.arange(5), init, 0.1, steps=steps, batch_size=batch)
+    ref = train_reference(model, spec, data.train, data.task, seed=1, round=0)
+    vec = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="dense")
+    assert rel_err(vec.params, ref.params) < 1e-5
+    np.testing.assert_allclose(vec.loss, ref.loss, rtol=1e-4)
+    cohort = DenseCohort(init, ["1"] if model_name == "mclr" else ["1", "3"], 0.1, batch)
+    assert cohort.layers[0].lowrank == (batch <= 16)  # rank cap: min(64, out) // 2, in whole batches
+
+
 def test_dense_path_regression_matches_reference():
     g = torch.Generator().manual_seed(0)
     sizes = [7, 20, 13]

@@ -1,16 +1,27 @@
-"""A hand-written cohort step for dense stacks (Flatten → Linear/ReLU … → Linear).
+"""A hand-written cohort trainer for dense stacks (Flatten → Linear/ReLU … → Linear).
 
 ``vmap(grad)`` materialises a fresh per-client gradient for every weight at every step and
 then a fresh updated copy: for W1 (120 clients of MLP 784-200-10) that is two new 75 MB
 tensors per step, and the trainer becomes memory-bound, no faster than a Python loop.
-For Linear/ReLU stacks the backward pass is short enough to write out: the weight update
-W ← W − η·δᵀx is applied in place with one ``baddbmm_`` per layer, so each step reads and
-writes every weight once and allocates nothing large. MCLR, the MLP and linear regression
-take this path; anything else (LeNet-5, …) uses the generic torch.func path. Tests check
-both against the per-client reference loop.
+For Linear/ReLU stacks the backward pass is short enough to write out, and two things
+remove that traffic:
+
+- **dense layers** keep one weight per client and apply W ← W − η·δᵀa in place with one
+  ``baddbmm_`` per step (no allocation);
+- **low-rank layers**: when every client starts from the same weight W₀ (FedAvg, FedSGD),
+  client c's weight after s steps is W₀ − η Σ_{t<s} δ_tᵀ a_t, a rank-(s·B) correction of a
+  shared matrix. The layer keeps W₀ once plus the factors (δ_t, a_t); the forward pass is
+  one shared GEMM a·W₀ᵀ minus (a·A_tᵀ)·D_t through B×R Gram products, and the per-client
+  weight is written once, at the end. A layer switches to dense mode when its rank would
+  pass half its smaller dimension (beyond that the factors cost more than the matrix).
+
+MCLR, the MLP and linear regression take this path; anything else uses torch.func. Tests
+check both against the per-client reference loop.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
@@ -34,43 +45,126 @@ def dense_layers(model: nn.Module) -> list[str] | None:
     return names if all(relu_after) else None  # every hidden Linear is followed by a ReLU
 
 
-@torch.no_grad()
-def dense_step(params: dict[str, torch.Tensor], layers: list[str], x: torch.Tensor, y: torch.Tensor,
-               w: torch.Tensor, lr: float, task: str) -> torch.Tensor:
-    """One SGD step for every client, in place. x: [C, B, ...], y: [C, B], w: [C, B]
-    per-sample weights (1/batch, 0 for padding). Returns the weighted loss per client."""
-    acts = [x.reshape(x.shape[0], x.shape[1], -1)]
-    for i, name in enumerate(layers):
-        wt, b = params[f"{name}.weight"], params.get(f"{name}.bias")
-        z = torch.bmm(acts[-1], wt.transpose(1, 2))
-        if b is not None:
-            z += b.unsqueeze(1)
-        acts.append(z.clamp_min_(0) if i < len(layers) - 1 else z)
-    out = acts.pop()
-    if task == "regression":
-        diff = out.squeeze(-1) - y
-        loss = (diff * diff * w).sum(1)
-        delta = (2 * diff * w).unsqueeze(-1)
-    else:
-        logp = torch.log_softmax(out, -1)
-        nll = -logp.gather(-1, y.unsqueeze(-1)).squeeze(-1)
-        loss = (nll * w).sum(1)
-        delta = logp.exp_()
-        delta.scatter_add_(-1, y.unsqueeze(-1), -torch.ones_like(y, dtype=delta.dtype).unsqueeze(-1))
-        delta *= w.unsqueeze(-1)
-    # backward through the stack: compute every layer's δ before touching its weight
-    for i in range(len(layers) - 1, -1, -1):
-        name, a = layers[i], acts[i]
-        wt, b = params[f"{name}.weight"], params.get(f"{name}.bias")
-        nxt = None
-        if i > 0:
-            nxt = torch.bmm(delta, wt)
-            nxt *= a > 0  # ReLU'(z) from the stored activation
-        wt.baddbmm_(delta.transpose(1, 2), a, alpha=-lr)
-        if b is not None:
-            b.sub_(delta.sum(1), alpha=lr)
-        delta = nxt
-    return loss
+def _shared(t: torch.Tensor) -> bool:
+    """True if a stacked tensor is one value broadcast over its leading (client) axis."""
+    return t.dim() > 0 and t.shape[0] > 0 and t.stride(0) == 0
+
+
+class _Layer:
+    """One Linear layer of the cohort: weight = base − η·Dᵀ·A (factors only in low-rank mode)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rank: int, batch: int, lr: float):
+        c, out, inp = weight.shape
+        self.lr = lr
+        self.bias = None if bias is None else bias.clone(memory_format=torch.contiguous_format)
+        self.lowrank = _shared(weight) and max_rank >= batch
+        if self.lowrank:
+            self.base = weight[0]  # [out, in], shared by every client
+            self.A = weight.new_empty(c, max_rank, inp)
+            self.D = weight.new_empty(c, max_rank, out)
+            self.rank = 0
+        else:
+            self.base = weight.clone(memory_format=torch.contiguous_format)  # [C, out, in]
+
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        if self.lowrank:
+            z = (a.reshape(-1, a.shape[-1]) @ self.base.T).reshape(a.shape[0], a.shape[1], -1)
+            if self.rank:
+                gram = torch.bmm(a, self.A[:, : self.rank].transpose(1, 2))  # [C, B, R]
+                z.baddbmm_(gram, self.D[:, : self.rank], alpha=-self.lr)
+        else:
+            z = torch.bmm(a, self.base.transpose(1, 2))
+        if self.bias is not None:
+            z += self.bias.unsqueeze(1)
+        return z
+
+    def backward_input(self, delta: torch.Tensor) -> torch.Tensor:
+        """δ·W with the weight as it was at this step's forward pass."""
+        if self.lowrank:
+            g = (delta.reshape(-1, delta.shape[-1]) @ self.base).reshape(delta.shape[0], delta.shape[1], -1)
+            if self.rank:
+                gram = torch.bmm(delta, self.D[:, : self.rank].transpose(1, 2))
+                g.baddbmm_(gram, self.A[:, : self.rank], alpha=-self.lr)
+            return g
+        return torch.bmm(delta, self.base)
+
+    def update(self, delta: torch.Tensor, a: torch.Tensor) -> None:
+        """W ← W − η·δᵀa; b ← b − η·Σδ."""
+        if self.bias is not None:
+            self.bias.sub_(delta.sum(1), alpha=self.lr)
+        if self.lowrank:
+            b = delta.shape[1]
+            if self.rank + b > self.A.shape[1]:
+                self.to_dense()
+            else:
+                self.A[:, self.rank : self.rank + b] = a
+                self.D[:, self.rank : self.rank + b] = delta
+                self.rank += b
+                return
+        self.base.baddbmm_(delta.transpose(1, 2), a, alpha=-self.lr)
+
+    def to_dense(self) -> None:
+        if self.lowrank:
+            c = self.A.shape[0]
+            w = self.base.expand(c, *self.base.shape).clone(memory_format=torch.contiguous_format)
+            if self.rank:
+                w.baddbmm_(self.D[:, : self.rank].transpose(1, 2), self.A[:, : self.rank], alpha=-self.lr)
+            self.base, self.lowrank = w, False
+            del self.A, self.D
+
+    def weight(self) -> torch.Tensor:
+        self.to_dense()
+        return self.base
+
+
+class DenseCohort:
+    """SGD for a cohort of dense stacks, one call to :meth:`step` per local step."""
+
+    def __init__(self, init: dict[str, torch.Tensor], layers: list[str], lr: float, batch: int):
+        self.names = layers
+        self.layers = []
+        for name in layers:
+            w = init[f"{name}.weight"]
+            max_rank = (min(w.shape[1], w.shape[2]) // 2) // batch * batch
+            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank, batch, lr))
+
+    @torch.no_grad()
+    def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str) -> torch.Tensor:
+        """x: [C, B, ...], y: [C, B], w: [C, B] per-sample weights (1/batch, 0 for padding).
+        Returns each client's weighted loss before the step."""
+        acts = [x.reshape(x.shape[0], x.shape[1], -1)]
+        for i, layer in enumerate(self.layers):
+            z = layer.forward(acts[-1])
+            acts.append(z.clamp_min_(0) if i < len(self.layers) - 1 else z)
+        out = acts.pop()
+        if task == "regression":
+            diff = out.squeeze(-1) - y
+            loss = (diff * diff * w).sum(1)
+            delta = (2 * diff * w).unsqueeze(-1)
+        else:
+            logp = torch.log_softmax(out, -1)
+            loss = (-logp.gather(-1, y.unsqueeze(-1)).squeeze(-1) * w).sum(1)
+            delta = logp.exp_()
+            delta.scatter_add_(-1, y.unsqueeze(-1), -torch.ones_like(y, dtype=delta.dtype).unsqueeze(-1))
+            delta *= w.unsqueeze(-1)
+        # backward: every layer's input-δ uses the weight of this step, before its update
+        for i in range(len(self.layers) - 1, -1, -1):
+            layer, a = self.layers[i], acts[i]
+            nxt = None
+            if i > 0:
+                nxt = layer.backward_input(delta)
+                nxt *= a > 0  # ReLU'(z), read off the stored activation
+            layer.update(delta, a)
+            delta = nxt
+        return loss
+
+    def params(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, layer in zip(self.names, self.layers):
+            out[f"{name}.weight"] = layer.weight()
+            if layer.bias is not None:
+                out[f"{name}.bias"] = layer.bias
+        return out
 
 
 @torch.no_grad()

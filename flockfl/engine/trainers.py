@@ -17,7 +17,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.data.clients import Split
-from flockfl.engine.dense import dense_layers, dense_step
+from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
 
@@ -90,28 +90,31 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     """
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
-    # a private, contiguous copy (the init may be a broadcast view; dense steps write in place)
-    params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
     layers = dense_layers(model) if method in ("auto", "dense") else None
     if method == "dense" and layers is None:
         raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack")
-
-    def weighted_loss(p, x, y, w):
-        return (per_sample_loss(functional_call(model, p, (x,)), y, task) * w).sum()
-
-    step = vmap(grad_and_value(weighted_loss))
-    total = torch.zeros(len(spec.clients), device=device)
     index, weight = sched.index.to(device), sched.weight.to(device)
-    for s in range(sched.steps):
-        xb, yb = data.x[index[s]], data.y[index[s]]
-        if layers is not None:
-            loss = dense_step(params, layers, xb, yb, weight[s], spec.lr, task)
-        else:
-            g, loss = step(params, xb, yb, weight[s])
+    total = torch.zeros(len(spec.clients), device=device)
+    if layers is not None:
+        # keep broadcast inits broadcast (a shared start enables the low-rank layers)
+        init = {k: (v[:1].to(device).expand_as(v) if v.stride(0) == 0 else v.to(device)) for k, v in spec.init.items()}
+        cohort = DenseCohort(init, layers, spec.lr, index.shape[2])
+        for s in range(sched.steps):
+            total += cohort.step(data.x[index[s]], data.y[index[s]], weight[s], task)
+        params = cohort.params()
+    else:
+        params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
+
+        def weighted_loss(p, x, y, w):
+            return (per_sample_loss(functional_call(model, p, (x,)), y, task) * w).sum()
+
+        step = vmap(grad_and_value(weighted_loss))
+        for s in range(sched.steps):
+            g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
             with torch.no_grad():
                 for k in params:
                     params[k] = params[k] - spec.lr * g[k]
-        total += loss.detach()
+            total += loss.detach()
     steps = sched.active.sum(0).numpy()
     return TrainResult(
         np.asarray(spec.clients), params, data.sizes[spec.clients], steps,
