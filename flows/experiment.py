@@ -125,6 +125,7 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
         example = prep.ctx.data.train.x[:2].cpu().numpy()
         out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example)
         tracker.set_tags({"flockfl.engine": state.meta.get("engine", ""),
+                          "flockfl.engine_reason": state.meta.get("engine_reason", ""),
                           "flockfl.partition_sha256": prep.partition_hash,
                           "flockfl.state_sha256": state.digest()})
     return out

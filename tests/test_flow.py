@@ -132,3 +132,37 @@ def test_failing_client_is_retried_dropped_and_recorded(project):
 def test_existing_run_dir_is_not_overwritten(project, reference_run):
     res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/full", "--tracking-uri", uri(project)], project, timeout=120)
     assert res.returncode == 2 and "flock resume runs/full" in res.stderr
+
+
+def test_flock_ui_serves_mlflow_on_loopback(project, reference_run):
+    """`flock ui` starts the real MLflow UI on 127.0.0.1 against the same store."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from conftest import flock_env
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "ui", "--port", str(port), "--tracking-uri", uri(project)],
+                            cwd=project, env=flock_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        body = None
+        for _ in range(90):
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).read()
+                break
+            except OSError:
+                time.sleep(1)
+        assert body == b"OK"
+        q = urllib.request.urlopen(f"http://127.0.0.1:{port}/api/2.0/mlflow/runs/get?run_id={reference_run['run_id']}",
+                                   timeout=10).read()
+        assert reference_run["run_id"].encode() in q
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
