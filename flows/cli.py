@@ -242,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command in ("run", "resume"):
             out = cmd_run(args) if args.command == "run" else cmd_resume(args)
+            for w in out.get("checkpoint_warnings", []) if args.json else []:
+                print(f"flock: warning: {w}", file=sys.stderr)
             if args.json:
                 print(json.dumps(out, default=str))
             else:

@@ -146,9 +146,9 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     state, warnings = tasks.restore(Q(prep), run_dir)
     resumed_from = state.round
     tracker = _open_tracker(cfg, state, run_path, tracking_uri)
-    if tracker and state.history:  # a resumed run: log the rounds the crash kept from MLflow
-        done = tracker.last_logged_round()
-        tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > done])
+    logged = tracker.last_logged_round() if tracker else 0
+    if tracker and logged < state.round:  # a resumed run: log the rounds the crash kept from MLflow
+        tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > logged])
     bar = Progress(cfg.train.rounds, state.round, cfg.name, progress)
     periods = []
     try:
@@ -167,15 +167,19 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
             metrics = tasks.evaluate(Q(prep), Q(state), r) if rounds.should_evaluate(cfg, r) else None
             state, row = rounds.finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0)
             tasks.checkpoint(Q(state), run_dir, cfg.train.checkpoints_to_keep)
-            if tracker:
-                tasks.log_metrics(Q(tracker), Q([row]))
+            if tracker and row["round"] > logged:  # after a fallback to an older checkpoint, a
+                tasks.log_metrics(Q(tracker), Q([row]))  # recomputed round was logged already
             bar.update(row)
             periods.append(time.perf_counter() - t0)
             # what the round cost beyond the task bodies: Prefect's task machinery plus the
             # flow's own bookkeeping (engine lookup, history row, progress bar)
             overhead.append(periods[-1] - (tasks.BODY_SECONDS[0] - body0))
         bar.close()
-        extra = _finalise(prep, state, run_path, tracker)
+        info = read_run_file(run_path)
+        # a resume of a run that had already finished must not register its models again
+        extra = {} if resumed_from >= cfg.train.rounds and info.get("finished") else _finalise(prep, state, run_path, tracker)
+        info["finished"] = True
+        write_run_file(run_path, info)
     except BaseException:
         bar.close()
         (run_path / "error.log").write_text(traceback.format_exc())

@@ -129,6 +129,19 @@ def test_failing_client_is_retried_dropped_and_recorded(project):
     assert [m.value for m in sorted(hist, key=lambda m: m.step)] == [1.0, 1.0]
 
 
+def test_resume_with_a_corrupt_newest_checkpoint_falls_back(project, reference_run):
+    res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/corrupt", "--json", "--tracking-uri", uri(project)], project,
+                    env={"FLOCKFL_CRASH_AT": "3:select"})
+    assert res.returncode == -signal.SIGKILL
+    newest = sorted((project / "runs/corrupt/checkpoints").glob("ckpt-*.pt"))[-1]
+    newest.write_bytes(newest.read_bytes()[:-50])  # truncated
+    resumed = run_flock(["resume", "runs/corrupt", "--json"], project)
+    assert resumed.returncode == 0, resumed.stderr
+    s = last_json(resumed.stdout)
+    assert s["resumed_from_round"] == 2 and s["state_sha256"] == reference_run["state_sha256"]
+    assert "checksum mismatch" in resumed.stderr and newest.name in resumed.stderr
+
+
 def test_existing_run_dir_is_not_overwritten(project, reference_run):
     res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/full", "--tracking-uri", uri(project)], project, timeout=120)
     assert res.returncode == 2 and "flock resume runs/full" in res.stderr
