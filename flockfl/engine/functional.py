@@ -24,11 +24,6 @@ def stack(params: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([p[k] for p in params]) for k in params[0]}
 
 
-def unstack(params: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-    n = next(iter(params.values())).shape[0]
-    return [{k: v[i] for k, v in params.items()} for i in range(n)]
-
-
 def index_params(params: dict[str, torch.Tensor], idx) -> dict[str, torch.Tensor]:
     return {k: v[idx] for k, v in params.items()}
 
