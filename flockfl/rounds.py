@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -19,6 +19,7 @@ from flockfl.algorithms import Algorithm, RunContext, build_algorithm
 from flockfl.config import ExperimentConfig
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
+from flockfl.engine.schedule import restrict
 from flockfl.state import ServerState
 from models import build_model
 
@@ -57,11 +58,9 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
 def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
     """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients."""
     n = len(spec.clients)
-    shards = []
-    for a in range(0, n, shard_size):
-        sl = slice(a, min(n, a + shard_size))
-        shards.append(replace(spec, clients=spec.clients[sl], init={k: v[sl] for k, v in spec.init.items()}))
-    return shards or [spec]
+    if n <= shard_size:
+        return [spec]
+    return [restrict(spec, slice(a, min(n, a + shard_size))) for a in range(0, n, shard_size)]
 
 
 def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int) -> TrainResult:
@@ -89,14 +88,11 @@ def isolate_failures(ctx: RunContext, spec: LocalSpec, engine: str, round: int) 
 
 
 def restrict_spec(spec: LocalSpec, clients: np.ndarray) -> LocalSpec:
-    """The spec of the clients that survived (their metadata rows follow them)."""
+    """The spec of the clients that survived (their per-client rows follow them)."""
     if len(clients) == len(spec.clients) and np.array_equal(clients, spec.clients):
         return spec
-    pos = np.searchsorted(spec.clients, clients) if np.all(np.diff(spec.clients) > 0) else \
-        np.array([int(np.flatnonzero(spec.clients == c)[0]) for c in clients])
-    meta = {k: (v[pos] if isinstance(v, np.ndarray) and len(v) == len(spec.clients) else v)
-            for k, v in (spec.meta or {}).items()}
-    return replace(spec, clients=spec.clients[pos], init={k: v[torch.from_numpy(pos)] for k, v in spec.init.items()}, meta=meta)
+    pos = {int(c): i for i, c in enumerate(spec.clients)}
+    return restrict(spec, np.array([pos[int(c)] for c in clients], dtype=np.int64))
 
 
 def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:

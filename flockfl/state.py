@@ -63,11 +63,9 @@ class ServerState:
             h.update(name.encode())
             h.update(str(tuple(t.shape)).encode())
             h.update(t.numpy().tobytes())
-        for name in sorted(self.algo):
-            v = self.algo[name]
-            if isinstance(v, torch.Tensor):
-                h.update(name.encode())
-                h.update(v.detach().cpu().contiguous().numpy().tobytes())
+        for name, t in _tensors(self.algo):
+            h.update(name.encode())
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
         h.update(np.ascontiguousarray(self.assignments, dtype=np.int64).tobytes())
         return h.hexdigest()
 
@@ -77,7 +75,7 @@ class ServerState:
             "models": {k: v.detach().cpu() for k, v in self.models.items()},
             "assignments": torch.from_numpy(np.asarray(self.assignments, np.int64)),
             "assignment_history": torch.from_numpy(np.asarray(self.assignment_history, np.int64)),
-            "algo": {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in self.algo.items()},
+            "algo": _to_cpu(self.algo),
             "history": self.history,
             "meta": self.meta,
         }
@@ -88,6 +86,23 @@ class ServerState:
             int(p["round"]), dict(p["models"]), p["assignments"].numpy(), p["assignment_history"].numpy(),
             dict(p["algo"]), list(p["history"]), dict(p["meta"]),
         )
+
+
+def _tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
+    """Every tensor in a nested dict, with its dotted path, in sorted order."""
+    if isinstance(tree, torch.Tensor):
+        return [(prefix, tree)]
+    if isinstance(tree, dict):
+        return [item for k in sorted(tree) for item in _tensors(tree[k], f"{prefix}.{k}" if prefix else str(k))]
+    return []
+
+
+def _to_cpu(tree: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _to_cpu(v) for k, v in tree.items()}
+    return tree
 
 
 def _fsync_dir(path: Path) -> None:

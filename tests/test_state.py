@@ -29,6 +29,12 @@ def test_digest_sees_every_bit():
     a, b = small_state(), small_state()
     b.models["w"][0, 0] = float(np.nextafter(np.float32(0), np.float32(1)))  # one ulp
     assert a.digest() != b.digest()
+    # nested algorithm state (control variates, optimiser moments) counts too
+    c, d = small_state(), small_state()
+    c.algo["c"] = {"w": torch.zeros(3)}
+    d.algo["c"] = {"w": torch.tensor([0.0, 0.0, 1e-30])}
+    assert c.digest() != d.digest()
+    assert decode_state(encode_state(d)).digest() == d.digest()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "header"])

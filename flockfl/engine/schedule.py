@@ -27,28 +27,48 @@ class LocalSpec:
     batch_size: int = 10
     full_batch: bool = False
     meta: Optional[dict] = None  # algorithm-specific facts the cluster/aggregate hooks need
+    # per-client local work (FedNova's τ_i, CC-FL, FedEff): overrides epochs / steps per client
+    client_epochs: Optional[np.ndarray] = None
+    client_steps: Optional[np.ndarray] = None
+    # additive gradient terms: μ(w − anchor) (FedProx) and a per-client constant (SCAFFOLD's c − c_i)
+    prox_mu: float = 0.0
+    prox_anchor: Optional[dict[str, torch.Tensor]] = None  # stacked; default: the initial params
+    correction: Optional[dict[str, torch.Tensor]] = None  # stacked per client
+    momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round
+
+    @property
+    def has_extras(self) -> bool:
+        return bool(self.prox_mu) or self.correction is not None or bool(self.momentum)
+
+    def work_of(self, position: int) -> tuple[int, Optional[int]]:
+        """(epochs, steps) of the client at ``position`` in the cohort."""
+        epochs = int(self.client_epochs[position]) if self.client_epochs is not None else self.epochs
+        steps = int(self.client_steps[position]) if self.client_steps is not None else self.steps
+        return epochs, steps
 
 
-def client_batches(n: int, spec: LocalSpec, rng: np.random.Generator) -> list[np.ndarray]:
+def client_batches(n: int, spec: LocalSpec, rng: np.random.Generator, position: int = 0) -> list[np.ndarray]:
     """Local sample indices of every step for one client of size ``n``."""
-    if n == 0:
+    epochs, steps = spec.work_of(position)
+    if n == 0 or (steps is not None and steps == 0) or (steps is None and epochs == 0):
         return []
     if spec.full_batch:
-        return [np.arange(n)] * (spec.steps or spec.epochs)
+        return [np.arange(n)] * (steps or epochs)
     b = min(spec.batch_size, n)
     batches: list[np.ndarray] = []
     while True:
         perm = rng.permutation(n)
         batches.extend(perm[i : i + b] for i in range(0, n, b))
-        if spec.steps is None:
-            if len(batches) >= spec.epochs * -(-n // b):
+        if steps is None:
+            if len(batches) >= epochs * -(-n // b):
                 return batches
-        elif len(batches) >= spec.steps:
-            return batches[: spec.steps]
+        elif len(batches) >= steps:
+            return batches[:steps]
 
 
 def cohort_schedule(spec: LocalSpec, sizes: np.ndarray, seed: int, round: int) -> list[list[np.ndarray]]:
-    return [client_batches(int(sizes[c]), spec, np_rng(seed, round, int(c), "shuffle")) for c in spec.clients]
+    return [client_batches(int(sizes[c]), spec, np_rng(seed, round, int(c), "shuffle"), i)
+            for i, c in enumerate(spec.clients)]
 
 
 @dataclass
@@ -80,3 +100,24 @@ def stack_schedule(batches: list[list[np.ndarray]], offsets: np.ndarray, clients
             weight[s, ci, : len(local)] = 1.0 / len(local)
             active[s, ci] = True
     return StackedSchedule(torch.from_numpy(index), torch.from_numpy(weight), torch.from_numpy(active))
+
+
+def restrict(spec: LocalSpec, positions) -> LocalSpec:
+    """The spec of the clients at ``positions`` (an index array or a slice) of the cohort;
+    every per-client field follows."""
+    import dataclasses
+
+    n = len(spec.clients)
+    pos_t = positions if isinstance(positions, slice) else torch.as_tensor(positions, dtype=torch.long)
+
+    def rows(d):  # a slice keeps views (a broadcast init stays broadcast)
+        return None if d is None else {k: v[pos_t] for k, v in d.items()}
+
+    def per_client(v):
+        return v[positions] if isinstance(v, np.ndarray) and len(v) == n else v
+
+    return dataclasses.replace(
+        spec, clients=spec.clients[positions], init=rows(spec.init), prox_anchor=rows(spec.prox_anchor),
+        correction=rows(spec.correction), client_epochs=per_client(spec.client_epochs),
+        client_steps=per_client(spec.client_steps), meta={k: per_client(v) for k, v in (spec.meta or {}).items()},
+    )

@@ -7,6 +7,7 @@ schedule, and return a :class:`TrainResult`. Tests assert that they agree to 1e-
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from flockfl.data.clients import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack
-from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
+from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 
 
 @dataclass
@@ -60,6 +61,8 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
             for name, p in net.named_parameters():
                 p.copy_(spec.init[name][ci])
         x_c, y_c = data.client(int(cid))
+        anchor = {n: (spec.prox_anchor or spec.init)[n][ci] for n, _ in net.named_parameters()}
+        buf = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
         total = 0.0
         for local in batches[ci]:
             idx = torch.from_numpy(local)
@@ -67,8 +70,16 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
             loss = per_sample_loss(net(x_c[idx]), y_c[idx], task).mean()
             loss.backward()
             with torch.no_grad():
-                for p in net.parameters():
-                    p.sub_(spec.lr * p.grad)
+                for n, p in net.named_parameters():
+                    g = p.grad
+                    if spec.prox_mu:
+                        g = g + spec.prox_mu * (p - anchor[n])
+                    if spec.correction is not None:
+                        g = g + spec.correction[n][ci]
+                    if spec.momentum:
+                        buf[n] = spec.momentum * buf[n] + g
+                        g = buf[n]
+                    p.sub_(spec.lr * g)
             total += float(loss.detach())
         finals.append({n: p.detach().clone() for n, p in net.named_parameters()})
         losses.append(total / max(len(batches[ci]), 1))
@@ -90,9 +101,9 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     """
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
-    layers = dense_layers(model) if method in ("auto", "dense") else None
+    layers = dense_layers(model) if method in ("auto", "dense") and not spec.has_extras else None
     if method == "dense" and layers is None:
-        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack")
+        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack and no prox/correction/momentum terms")
     index, weight = sched.index.to(device), sched.weight.to(device)
     total = torch.zeros(len(spec.clients), device=device)
     if layers is not None:
@@ -109,9 +120,12 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
             return (per_sample_loss(functional_call(model, p, (x,)), y, task) * w).sum()
 
         step = vmap(grad_and_value(weighted_loss))
+        extras = _GradientTerms(spec, params, device)
         for s in range(sched.steps):
             g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
             with torch.no_grad():
+                if extras.any:
+                    g = extras.apply(params, g, sched.active[s].to(device))
                 for k in params:
                     params[k] = params[k] - spec.lr * g[k]
             total += loss.detach()
@@ -120,6 +134,33 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         np.asarray(spec.clients), params, data.sizes[spec.clients], steps,
         (total.cpu().numpy() / np.maximum(steps, 1)),
     )
+
+
+class _GradientTerms:
+    """FedProx's μ(w − anchor), an additive per-client correction and local momentum, for
+    stacked parameters. Clients with no step left (``active`` false) neither move nor
+    advance their momentum."""
+
+    def __init__(self, spec: LocalSpec, params: dict[str, torch.Tensor], device):
+        self.spec = spec
+        self.any = spec.has_extras
+        self.anchor = {k: v.to(device) for k, v in (spec.prox_anchor or spec.init).items()} if spec.prox_mu else None
+        self.corr = {k: v.to(device) for k, v in spec.correction.items()} if spec.correction is not None else None
+        self.buf = {k: torch.zeros_like(v) for k, v in params.items()} if spec.momentum else None
+
+    def apply(self, params, g, active):
+        out = {}
+        for k, gk in g.items():
+            mask = active.to(gk.dtype).reshape(-1, *([1] * (gk.dim() - 1)))
+            if self.anchor is not None:
+                gk = gk + self.spec.prox_mu * (params[k] - self.anchor[k])
+            if self.corr is not None:
+                gk = gk + self.corr[k]
+            if self.buf is not None:
+                self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
+                gk = self.buf[k]
+            out[k] = gk * mask
+        return out
 
 
 TRAINERS = {"reference": train_reference, "vectorized": train_cohort}
@@ -135,13 +176,12 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
     probe_round = 2**31 - 2  # a round index no real run reaches, so the probe draws its own data orders
     n = len(spec.clients)
     few = min(3, n)
-    sub = LocalSpec(spec.clients[:few], {k: v[:few] for k, v in spec.init.items()}, spec.lr, spec.epochs,
-                    spec.steps, spec.batch_size, spec.full_batch)
+    sub = restrict(spec, np.arange(few))
     t0 = time.perf_counter()
     train_reference(model, sub, data, task, seed, probe_round)
     ref = (time.perf_counter() - t0) / few * n
     steps = max(len(b) for b in cohort_schedule(spec, data.sizes, seed, probe_round))
-    short = LocalSpec(spec.clients, spec.init, spec.lr, 1, min(2, steps), spec.batch_size, spec.full_batch)
+    short = dataclasses.replace(spec, epochs=1, steps=min(2, steps), client_epochs=None, client_steps=None)
     train_cohort(model, short, data, task, seed, probe_round)  # warm-up (first vmap call traces)
     t0 = time.perf_counter()
     train_cohort(model, short, data, task, seed, probe_round)
