@@ -62,7 +62,15 @@ class ModelConfig(_Section):
 class AlgorithmConfig(_Section):
     name: str = "fedavg"
     k: int = Field(1, ge=1)
-    option: Literal["gradient", "model"] = "model"
+    option: Optional[str] = None  # IFCA: gradient|model (model); SCAFFOLD: I|II (II)
+    # optimisers (None = the algorithm's documented default)
+    mu: Optional[float] = Field(None, ge=0)  # FedProx / FedNova proximal weight
+    server_lr: Optional[float] = Field(None, gt=0)  # η / η_g / η_s
+    momentum: Optional[float] = Field(None, ge=0, lt=1)  # FedAvgM server β; FedNova local ρ
+    momentum_style: Literal["heavy_ball", "ema"] = "heavy_ball"  # FedAvgM
+    beta1: Optional[float] = Field(None, ge=0, lt=1)  # FedOpt
+    beta2: Optional[float] = Field(None, gt=0, lt=1)  # FedOpt
+    tau: Optional[float] = Field(None, gt=0)  # FedOpt ε (adaptivity)
     init: Literal["random", "given", "balanced_restart"] = "random"
     init_path: Optional[str] = None  # for init=given: a torch file holding k stacked models
     weighting: Optional[Literal["samples", "uniform"]] = None  # None: the algorithm's default
@@ -86,6 +94,9 @@ class TrainConfig(_Section):
     eval_every: int = Field(1, ge=1)
     max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
     checkpoints_to_keep: int = Field(3, ge=2)
+    # per-client local work: constant (every client E epochs) or uniform_random (E_i drawn from
+    # 1..E per client and round, from the (seed, round, client, "local_work") stream)
+    local_work: Literal["constant", "uniform_random"] = "constant"
     simulate_failures: list[int] = []  # client ids whose local training raises (fault-injection drills)
 
 
@@ -115,6 +126,7 @@ class ExperimentConfig(_Section):
             raise ValueError(
                 f"algorithm.name: unknown algorithm {self.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
             )
+        ALGORITHMS[self.algorithm.name].check_config(self)
         regression = self.dataset.name == "synthetic_linreg"
         if regression and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")

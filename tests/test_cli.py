@@ -30,6 +30,12 @@ BAD = [
     (["run", "ifca_rotated_digits", "--set", "model.name=linear"], "regression model"),
     (["run", "ifca_rotated_digits", "--set", "noequals"], "expected key=value"),
     (["resume", "/nonexistent/run"], "neither a run directory"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedprox", "--set", "algorithm.mu=-1"], "algorithm.mu"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedadam", "--set", "algorithm.beta2=1.5"], "algorithm.beta2"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedavgm", "--set", "algorithm.momentum=1"], "less than 1"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedyogi", "--set", "algorithm.tau=0"], "algorithm.tau"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=scaffold", "--set", "algorithm.option=III"], "allowed: II, I"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.option=II"], "not an option of ifca"),
 ]
 
 
@@ -62,7 +68,9 @@ def test_list_shows_experiments_and_algorithms(in_workdir, capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "fedavg_rotated_digits" in out and "ifca_rotated_digits" in out
-    assert "fedavg, fedsgd, ifca" in out
+    algos = next(line for line in out.splitlines() if line.startswith("algorithms:"))
+    for name in ("fedavg", "fedsgd", "ifca", "fedprox", "fednova", "scaffold", "fedadam", "fedadagrad", "fedyogi", "fedavgm"):
+        assert name in algos.split(": ", 1)[1].split(", ")
 
 
 def test_partition_command_writes_npz_and_summary(in_workdir, capsys):

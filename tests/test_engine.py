@@ -169,13 +169,23 @@ def _prepared(cfg, data) -> PreparedRun:
     {"name": "fedsgd"},
     {"name": "ifca", "k": 3, "option": "model"},
     {"name": "ifca", "k": 3, "option": "gradient"},
+    {"name": "fedprox", "mu": 0.1},
+    {"name": "fednova", "momentum": 0.5},
+    {"name": "fednova", "mu": 0.2},
+    {"name": "scaffold", "option": "II"},
+    {"name": "scaffold", "option": "I"},
+    {"name": "fedadam"},
+    {"name": "fedadagrad"},
+    {"name": "fedyogi"},
+    {"name": "fedavgm"},
 ])
 def test_whole_rounds_agree_between_engines(algo):
     data = random_clients([9, 14, 21, 6, 30, 11, 8, 19])
     states = {}
     for engine in ("reference", "vectorized"):
         cfg = validate(tiny_config(algorithm=algo, partition={"num_clients": 8},
-                                   train={"engine": engine, "rounds": 3, "clients_per_round": 5, "batch_size": 4}))
+                                   train={"engine": engine, "rounds": 3, "clients_per_round": 5, "batch_size": 4,
+                                          "local_work": "uniform_random", "local_epochs": 2}))
         states[engine] = run_rounds(_prepared(cfg, data))
     ref, vec = states["reference"], states["vectorized"]
     assert rel_err(vec.models, ref.models) < 1e-5

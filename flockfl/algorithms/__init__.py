@@ -2,10 +2,18 @@
 
 from flockfl.algorithms.base import Algorithm, RunContext
 from flockfl.algorithms.fedavg import FedAvg
+from flockfl.algorithms.fedavgm import FedAvgM
+from flockfl.algorithms.fednova import FedNova
+from flockfl.algorithms.fedopt import FedAdagrad, FedAdam, FedYogi
+from flockfl.algorithms.fedprox import FedProx
 from flockfl.algorithms.fedsgd import FedSGD
 from flockfl.algorithms.ifca import IFCA
+from flockfl.algorithms.scaffold import Scaffold
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (FedAvg, FedSGD, IFCA)}
+ALGORITHMS: dict[str, type[Algorithm]] = {
+    cls.name: cls
+    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM)
+}
 
 
 def build_algorithm(cfg) -> Algorithm:

@@ -56,10 +56,27 @@ class Algorithm:
 
     name = "fedavg"
     default_weighting = "samples"
+    options: tuple[str, ...] = ()  # allowed algorithm.option values; the first is the default
+    # the algorithm.* hyper-parameters this algorithm reads, with their defaults
+    hyper: dict[str, Any] = {}
 
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
         self.weighting = cfg.algorithm.weighting or self.default_weighting
+        self.option = cfg.algorithm.option or (self.options[0] if self.options else None)
+
+    @classmethod
+    def check_config(cls, cfg: ExperimentConfig) -> None:
+        """Raise ValueError (one line) for settings this algorithm cannot honour."""
+        a = cfg.algorithm
+        if a.option is not None and a.option not in cls.options:
+            allowed = ", ".join(cls.options) if cls.options else "none (leave it unset)"
+            raise ValueError(f"algorithm.option: {a.option!r} is not an option of {cls.name}; allowed: {allowed}")
+
+    def hp(self, key: str) -> Any:
+        """A hyper-parameter: the configured value, else this algorithm's default."""
+        value = getattr(self.cfg.algorithm, key)
+        return self.hyper[key] if value is None else value
 
     # ------------------------------------------------------------------ state
     @property
@@ -91,7 +108,26 @@ class Algorithm:
         # every client starts from model 0: a broadcast view, materialised once by the trainer
         init = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
         return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
-                         meta={"model_of_client": np.zeros(len(clients), np.int64)})
+                         meta={"model_of_client": np.zeros(len(clients), np.int64)},
+                         client_epochs=self.local_work(ctx, clients, round))
+
+    def local_work(self, ctx: RunContext, clients: np.ndarray, round: int) -> np.ndarray | None:
+        """Per-client epochs when ``train.local_work=uniform_random`` (E_i ~ U{1..E})."""
+        t = self.cfg.train
+        if t.local_work == "constant":
+            return None
+        return np.array([np_rng(ctx.seed, round, int(c), "local_work").integers(1, t.local_epochs + 1) for c in clients])
+
+    def pseudo_gradient(self, state: ServerState, result: TrainResult, uniform: bool = False) -> dict[str, torch.Tensor]:
+        """Δ = Σ_i p_i (x − x_i) over the trained clients (positive in the descent direction)."""
+        everyone = np.arange(len(result.clients))
+        w = torch.full((len(everyone),), 1.0 / len(everyone)) if uniform else self.weights(result, everyone)
+        out = {}
+        for k, v in state.models.items():
+            x = v[0]
+            mean = (w.to(x.dtype) @ result.params[k].reshape(len(everyone), -1)).reshape(x.shape)
+            out[k] = x - mean
+        return out
 
     def cluster(self, state: ServerState, ctx: RunContext, spec: LocalSpec, result: TrainResult) -> np.ndarray:
         """The cluster of each trained client: the model it started from."""

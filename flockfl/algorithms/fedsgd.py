@@ -18,7 +18,7 @@ class FedSGD(Algorithm):
 
     def local_spec(self, state, ctx, clients, round) -> LocalSpec:
         spec = super().local_spec(state, ctx, clients, round)
-        spec.full_batch, spec.steps, spec.epochs = True, 1, 1
+        spec.full_batch, spec.steps, spec.epochs, spec.client_epochs = True, 1, 1, None
         return spec
 
     def aggregate(self, state, ctx, spec, result, assign):

@@ -48,6 +48,7 @@ def assign_by_min_loss(losses: torch.Tensor) -> np.ndarray:
 class IFCA(Algorithm):
     name = "ifca"
     default_weighting = "uniform"
+    options = ("model", "gradient")
 
     @property
     def num_models(self) -> int:
@@ -101,14 +102,15 @@ class IFCA(Algorithm):
         chosen = assign_by_min_loss(losses)
         t = self.cfg.train
         init = index_params(state.models, torch.from_numpy(chosen))
-        if self.cfg.algorithm.option == "gradient":
+        if self.option == "gradient":
             return LocalSpec(clients, init, t.lr, epochs=1, steps=1, full_batch=True,
                              meta={"model_of_client": chosen, "cluster_losses": losses})
         return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
-                         meta={"model_of_client": chosen, "cluster_losses": losses})
+                         meta={"model_of_client": chosen, "cluster_losses": losses},
+                         client_epochs=self.local_work(ctx, clients, round))
 
     def aggregate(self, state, ctx, spec, result, assign):
-        if self.cfg.algorithm.option == "model":
+        if self.option == "model":
             return super().aggregate(state, ctx, spec, result, assign)
         # option I: θ_j ← θ_j − (1/m) Σ_{i: ĵ=j} (θ_j − θ̃_i), where θ_j − θ̃_i = γ g_i
         m = ctx.num_clients

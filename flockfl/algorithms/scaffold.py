@@ -1,0 +1,75 @@
+"""SCAFFOLD — Karimireddy et al., "SCAFFOLD: Stochastic Controlled Averaging for Federated
+Learning", https://arxiv.org/abs/1910.06378.
+
+Server state: the model x and the control variate c; every client keeps its own c_i, which
+persists across the rounds it sits out. All start at 0. A selected client runs K_i steps of
+y ← y − η_l(g(y) − c_i + c), then updates its control variate:
+
+- option II (``algorithm.option=II``, default, no extra pass): c_i⁺ = c_i − c + (x − y_i)/(K_i η_l);
+- option I: c_i⁺ = ∇F_i(x), a full-batch gradient at the server model.
+
+Server: Δx = mean(y_i − x), Δc = mean(c_i⁺ − c_i) (unweighted, as in the paper;
+``algorithm.weighting=samples`` weights Δx by n_i), x ← x + η_g Δx, c ← c + (|S|/N) Δc.
+``algorithm.server_lr`` η_g (default 1). c = mean_i(c_i) holds after every round.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flockfl.algorithms.base import Algorithm
+from flockfl.engine.schedule import LocalSpec
+from flockfl.engine.trainers import train_cohort
+
+
+class Scaffold(Algorithm):
+    name = "scaffold"
+    default_weighting = "uniform"
+    options = ("II", "I")
+    hyper = {"server_lr": 1.0}
+
+    def init_state(self, ctx):
+        state = super().init_state(ctx)
+        zero = {k: torch.zeros_like(v[0]) for k, v in state.models.items()}
+        clients = {k: torch.zeros(ctx.num_clients, *v.shape[1:]) for k, v in state.models.items()}
+        return state.replace(algo={"c": zero, "c_clients": clients})
+
+    def local_spec(self, state, ctx, clients, round):
+        spec = super().local_spec(state, ctx, clients, round)
+        idx = torch.from_numpy(np.asarray(clients))
+        spec.correction = {k: state.algo["c"][k].unsqueeze(0) - state.algo["c_clients"][k][idx] for k in state.models}
+        return spec
+
+    def full_gradient(self, state, ctx, clients: np.ndarray) -> dict[str, torch.Tensor]:
+        """∇F_i(x) for every listed client: one full-batch step of size 1 from x."""
+        x = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
+        res = train_cohort(ctx.model, LocalSpec(clients, x, 1.0, steps=1, full_batch=True), ctx.data.train,
+                           ctx.data.task, ctx.seed, 0)
+        return {k: x[k] - res.params[k] for k in x}
+
+    def aggregate(self, state, ctx, spec, result, assign):
+        clients = result.clients
+        idx = torch.from_numpy(np.asarray(clients))
+        c, c_all = state.algo["c"], state.algo["c_clients"]
+        steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32))
+        grad_x = self.full_gradient(state, ctx, clients) if self.option == "I" else None
+        w = self.weights(result, np.arange(len(clients)))
+        models, new_c, new_c_all = {}, {}, {}
+        for k, v in state.models.items():
+            x = v[0]
+            y = result.params[k]
+            old_ci = c_all[k][idx]
+            if grad_x is not None:
+                ci = grad_x[k]
+            else:
+                scale = (1.0 / (steps * self.cfg.train.lr)).reshape(-1, *([1] * x.dim()))
+                ci = old_ci - c[k].unsqueeze(0) + scale * (x.unsqueeze(0) - y)
+            dx = (w @ (y - x.unsqueeze(0)).reshape(len(clients), -1)).reshape(x.shape)
+            dc = (ci - old_ci).mean(0)
+            models[k] = (x + float(self.hp("server_lr")) * dx).unsqueeze(0)
+            new_c[k] = c[k] + (len(clients) / ctx.num_clients) * dc
+            new_c_all[k] = c_all[k].clone()
+            new_c_all[k][idx] = ci
+        new = self._with_assignments(state, models, clients, assign)
+        return new.replace(algo={**state.algo, "c": new_c, "c_clients": new_c_all})
