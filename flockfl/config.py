@@ -71,6 +71,8 @@ class AlgorithmConfig(_Section):
     beta1: Optional[float] = Field(None, ge=0, lt=1)  # FedOpt
     beta2: Optional[float] = Field(None, gt=0, lt=1)  # FedOpt
     tau: Optional[float] = Field(None, gt=0)  # FedOpt ε (adaptivity)
+    prox: Literal["gd", "exact"] = "gd"  # FedSplit's prox solver (exact: linear least squares only)
+    s: Optional[float] = Field(None, gt=0)  # FedSplit prox step size
     init: Literal["random", "given", "balanced_restart"] = "random"
     init_path: Optional[str] = None  # for init=given: a torch file holding k stacked models
     weighting: Optional[Literal["samples", "uniform"]] = None  # None: the algorithm's default

@@ -178,6 +178,7 @@ def _prepared(cfg, data) -> PreparedRun:
     {"name": "fedadagrad"},
     {"name": "fedyogi"},
     {"name": "fedavgm"},
+    {"name": "fedsplit", "s": 0.5},
 ])
 def test_whole_rounds_agree_between_engines(algo):
     data = random_clients([9, 14, 21, 6, 30, 11, 8, 19])

@@ -242,7 +242,8 @@ def test_fedavgm_heavy_ball_and_ema_forms():
 
 
 @pytest.mark.parametrize("algo", [{"name": "scaffold"}, {"name": "fedadam"}, {"name": "fedyogi"}, {"name": "fedavgm"},
-                                  {"name": "fednova", "momentum": 0.5}, {"name": "fedprox", "mu": 0.1}])
+                                  {"name": "fednova", "momentum": 0.5}, {"name": "fedprox", "mu": 0.1},
+                                  {"name": "fedsplit", "s": 0.5}])
 def test_stateful_algorithms_resume_bit_identically(tmp_path, algo):
     cfg = validate(tiny_config(algorithm=algo, train={"rounds": 4, "local_work": "uniform_random", "local_epochs": 3}))
     full = run_rounds(prepare(cfg, tmp_path))
@@ -252,3 +253,51 @@ def test_stateful_algorithms_resume_bit_identically(tmp_path, algo):
     resumed = run_rounds(prepare(cfg, tmp_path), restored)
     assert resumed.digest() == full.digest()
     assert resumed.algo.keys() == full.algo.keys()
+
+
+# ---------------------------------------------------------------------- FedSplit
+
+
+def _strong_convexity(data):
+    """(ℓ, L) of f_j(u) = (1/n)‖A_j u − b_j‖² over all clients (Hessian 2A_jᵀA_j/n)."""
+    eig = [np.linalg.eigvalsh(2 * a.T @ a / len(a)) for a in
+           (data.train.client(j)[0].double().numpy() for j in range(data.num_clients))]
+    return min(e.min() for e in eig), max(e.max() for e in eig)
+
+
+def test_fedsplit_exact_prox_reaches_the_least_squares_optimum():
+    data, x_star, lam = hetero_lsq()
+    ell, big_l = _strong_convexity(data)
+    s = 1 / np.sqrt(ell * big_l)
+    split = run_rounds(lsq_run({"name": "fedsplit", "prox": "exact", "s": s}, data, {"rounds": 300}))
+    fedavg = run_rounds(lsq_run({"name": "fedavg"}, data, {"lr": 0.5 / big_l, "local_epochs": 10, "rounds": 300}))
+    fedprox = run_rounds(lsq_run({"name": "fedprox", "mu": 0.1}, data, {"lr": 0.5 / big_l, "local_epochs": 10, "rounds": 300}))
+    assert rel_error(split, x_star) < 1e-6
+    assert rel_error(fedavg, x_star) > 0.1 and rel_error(fedprox, x_star) > 0.1  # the wrong fixed points
+
+
+def test_fedsplit_inexact_prox_keeps_the_fixed_point_with_one_step():
+    data, x_star, lam = hetero_lsq()
+    ell, big_l = _strong_convexity(data)
+    s = 1 / np.sqrt(ell * big_l)
+    alpha = 1 / (big_l + 1 / s)
+    state = run_rounds(lsq_run({"name": "fedsplit", "prox": "gd", "s": s}, data,
+                               {"lr": alpha, "local_steps": 1, "rounds": 1500}))
+    assert rel_error(state, x_star) < 1e-3
+
+
+def test_fedsplit_partial_participation_keeps_the_centering_invariant():
+    data, x_star, lam = hetero_lsq()
+    prep = lsq_run({"name": "fedsplit", "prox": "exact", "s": 0.05}, data, {"clients_per_round": 4})
+    state = prep.algorithm.init_state(prep.ctx)
+    for r in range(5):
+        state = run_rounds(prep, state, until=r + 1)
+        x = state.models["1.weight"][0]
+        torch.testing.assert_close((state.algo["z"]["1.weight"] - x).sum(0), torch.zeros_like(x), atol=1e-4, rtol=0)
+
+
+def test_fedsplit_exact_prox_needs_a_linear_model():
+    from flockfl.config import ConfigError, validate as _validate
+
+    with pytest.raises(ConfigError, match="closed-form prox"):
+        _validate(tiny_config(algorithm={"name": "fedsplit", "prox": "exact"}))

@@ -7,12 +7,13 @@ from flockfl.algorithms.fednova import FedNova
 from flockfl.algorithms.fedopt import FedAdagrad, FedAdam, FedYogi
 from flockfl.algorithms.fedprox import FedProx
 from flockfl.algorithms.fedsgd import FedSGD
+from flockfl.algorithms.fedsplit import FedSplit
 from flockfl.algorithms.ifca import IFCA
 from flockfl.algorithms.scaffold import Scaffold
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM)
+    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit)
 }
 
 

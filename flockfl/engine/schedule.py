@@ -7,7 +7,7 @@ order comes from the stream (seed, round, client, "shuffle") alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -35,6 +35,9 @@ class LocalSpec:
     prox_anchor: Optional[dict[str, torch.Tensor]] = None  # stacked; default: the initial params
     correction: Optional[dict[str, torch.Tensor]] = None  # stacked per client
     momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round
+    # a closed-form local solver (FedSplit's exact prox): (model, spec, data, task) → stacked params;
+    # when set, both trainers use it instead of SGD
+    solver: Optional[Callable] = None
 
     @property
     def has_extras(self) -> bool:

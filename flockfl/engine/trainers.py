@@ -51,8 +51,17 @@ class TrainResult:
         )
 
 
+def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str) -> TrainResult:
+    """The result of a closed-form local solver (no steps, no training loss)."""
+    params = spec.solver(model, spec, data, task)
+    n = len(spec.clients)
+    return TrainResult(np.asarray(spec.clients), params, data.sizes[spec.clients], np.zeros(n, np.int64), np.zeros(n))
+
+
 def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int, round: int) -> TrainResult:
     """Plain PyTorch: one model copy per client, SGD step by step."""
+    if spec.solver is not None:
+        return solved(model, spec, data, task)
     batches = cohort_schedule(spec, data.sizes, seed, round)
     finals, losses = [], []
     for ci, cid in enumerate(spec.clients):
@@ -99,6 +108,8 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     handled as data: padded batch slots have weight 0 and a client with no step left gets
     a zero gradient.
     """
+    if spec.solver is not None:
+        return solved(model, spec, data, task)
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
     layers = dense_layers(model) if method in ("auto", "dense") and not spec.has_extras else None
