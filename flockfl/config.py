@@ -73,6 +73,7 @@ class AlgorithmConfig(_Section):
     tau: Optional[float] = Field(None, gt=0)  # FedOpt ε (adaptivity)
     prox: Literal["gd", "exact"] = "gd"  # FedSplit's prox solver (exact: linear least squares only)
     s: Optional[float] = Field(None, gt=0)  # FedSplit prox step size
+    edf: Optional[float] = Field(None, gt=0, le=1)  # FedEff epoch-deciding factor τ
     init: Literal["random", "given", "balanced_restart"] = "random"
     init_path: Optional[str] = None  # for init=given: a torch file holding k stacked models
     weighting: Optional[Literal["samples", "uniform"]] = None  # None: the algorithm's default
@@ -99,7 +100,21 @@ class TrainConfig(_Section):
     # per-client local work: constant (every client E epochs) or uniform_random (E_i drawn from
     # 1..E per client and round, from the (seed, round, client, "local_work") stream)
     local_work: Literal["constant", "uniform_random"] = "constant"
+    target_accuracy: Optional[float] = Field(None, gt=0, le=1)  # report rounds and sim_time to reach it
     simulate_failures: list[int] = []  # client ids whose local training raises (fault-injection drills)
+
+
+class SystemConfig(_Section):
+    """Simulated client speeds (see flockfl/system.py): lognormal around the medians, or per client."""
+
+    compute_median: float = Field(20.0, gt=0)  # batches per second
+    compute_sigma: float = Field(0.5, ge=0)  # lognormal spread (0 = identical clients)
+    batch_overhead: float = Field(0.0, ge=0)  # seconds per batch (FedEff's γ_i)
+    bandwidth_median: float = Field(5.0, gt=0)  # MB/s, both directions
+    bandwidth_sigma: float = Field(0.5, ge=0)
+    client_compute: Optional[list[float]] = None  # per-client overrides (one value per client)
+    client_down: Optional[list[float]] = None
+    client_up: Optional[list[float]] = None
 
 
 class TrackingConfig(_Section):
@@ -119,6 +134,7 @@ class ExperimentConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
+    system: SystemConfig = SystemConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":
@@ -129,6 +145,10 @@ class ExperimentConfig(_Section):
                 f"algorithm.name: unknown algorithm {self.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
             )
         ALGORITHMS[self.algorithm.name].check_config(self)
+        for key in ("client_compute", "client_down", "client_up"):
+            given = getattr(self.system, key)
+            if given is not None and (len(given) != self.partition.num_clients or min(given) <= 0):
+                raise ValueError(f"system.{key}: needs {self.partition.num_clients} positive values, one per client")
         regression = self.dataset.name == "synthetic_linreg"
         if regression and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")

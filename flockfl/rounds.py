@@ -121,16 +121,23 @@ def should_evaluate(cfg: ExperimentConfig, round: int) -> bool:
 
 
 def finish_round(prep: PreparedRun, state: ServerState, clients: np.ndarray, metrics: Optional[dict[str, Any]],
-                 dropped: list[int], wall: float) -> tuple[ServerState, dict[str, Any]]:
+                 dropped: list[int], wall: float, result: Optional[TrainResult] = None) -> tuple[ServerState, dict[str, Any]]:
     """Fold one round into the state: history row, assignment history, counter.
 
     ``metrics`` is None for a round that was not evaluated: its row then has only the
     round's accounting, and its assignment-history row repeats the last known assignments.
+    ``sim_round_time`` uses the local steps the trained clients actually took.
     """
-    down, up = prep.algorithm.comm_bytes(state, clients)
+    alg = prep.algorithm
+    down, up = alg.comm_bytes(state, clients)
+    trained = result.clients if result is not None else np.zeros(0, np.int64)
+    steps = result.num_steps if result is not None else np.zeros(0)
+    sim_round = alg.sim_round_time(state, prep.ctx, trained, steps)
+    sim_total = (state.history[-1]["sim_time"] if state.history else 0.0) + sim_round
     row = {k: v for k, v in (metrics or {}).items() if not k.startswith("_")}
     row.update({"round": state.round + 1, "clients": len(clients), "clients_dropped": len(dropped),
-                "bytes_down": down, "bytes_up": up, "bytes_total": down + up, "round_time_s": wall})
+                "bytes_down": down, "bytes_up": up, "bytes_total": down + up, "round_time_s": wall,
+                "sim_round_time": sim_round, "sim_time": sim_total})
     assigned = metrics["_assignment"] if metrics else state.assignments
     hist = np.vstack([state.assignment_history, assigned[None, :]])
     return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist), row
@@ -151,13 +158,13 @@ def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[Server
             part, lost = isolate_failures(ctx, shard, engine, round)
             parts += [part] if part is not None else []
             dropped += lost
-    if parts:
-        result = TrainResult.concat(parts)
+    result = TrainResult.concat(parts) if parts else None
+    if result is not None:
         spec = restrict_spec(spec, result.clients)
         assign = alg.cluster(state, ctx, spec, result)
         state = alg.aggregate(state, ctx, spec, result, assign)
     metrics = alg.evaluate(state, ctx) if should_evaluate(prep.cfg, round) else None
-    return finish_round(prep, state, clients, metrics, dropped, time.perf_counter() - t0)
+    return finish_round(prep, state, clients, metrics, dropped, time.perf_counter() - t0, result)
 
 
 def run_rounds(prep: PreparedRun, state: Optional[ServerState] = None, until: Optional[int] = None,
@@ -170,10 +177,20 @@ def run_rounds(prep: PreparedRun, state: Optional[ServerState] = None, until: Op
     return state
 
 
-def summarise(state: ServerState) -> dict[str, Any]:
-    """Final metrics, and the median round time leaving out the first round."""
+def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, Any]:
+    """The first evaluated round whose mean accuracy reaches ``target``, and its sim_time."""
+    if target is None:
+        return {}
+    hit = next((h for h in history if h.get("accuracy", -1.0) >= target), None)
+    return {"target_accuracy": target, "rounds_to_target": hit["round"] if hit else None,
+            "sim_time_to_target": hit["sim_time"] if hit else None}
+
+
+def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
+    """Final metrics, the median round time leaving out the first round, and time to target."""
     last = state.history[-1] if state.history else {}
-    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "ari", "nmi", "num_clusters", "min_dist")
+    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "ari", "nmi", "num_clusters", "min_dist", "sim_time")
     metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
     times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
-    return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan")}
+    return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan"),
+            **time_to_target(state.history, target)}

@@ -34,6 +34,10 @@ DEFAULTS = {
     "PREFECT_UI_ENABLED": "false",
     "GIT_PYTHON_REFRESH": "quiet",
     "MLFLOW_LOGGING_LEVEL": "WARNING",
+    # Bit-identical resume: MKL (torch's CPU BLAS) picks kernels by memory alignment unless
+    # its conditional numerical reproducibility mode is on; a resumed process allocates at
+    # other addresses, so without it a resumed run can differ in the last bits.
+    "MKL_CBWR": "AUTO,STRICT",
 }
 
 

@@ -165,7 +165,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                 assign = tasks.cluster(Q(prep), Q(state), Q(kept), Q(result))
                 state = tasks.aggregate(Q(prep), Q(state), Q(kept), Q(result), Q(assign), r)
             metrics = tasks.evaluate(Q(prep), Q(state), r) if rounds.should_evaluate(cfg, r) else None
-            state, row = rounds.finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0)
+            state, row = rounds.finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0, result)
             tasks.checkpoint(Q(state), run_dir, cfg.train.checkpoints_to_keep)
             if tracker and row["round"] > logged:  # after a fallback to an older checkpoint, a
                 tasks.log_metrics(Q(tracker), Q([row]))  # recomputed round was logged already
@@ -188,7 +188,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         raise
     if tracker:
         tracker.finish("FINISHED")
-    summary = rounds.summarise(state)
+    summary = rounds.summarise(state, cfg.train.target_accuracy)
     timed = periods[1:] or periods
     return {
         "run_id": tracker.run_id if tracker else None,
@@ -201,6 +201,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "wall_s": time.perf_counter() - t_start,
         "round_s_median": float(np.median(timed)) if timed else float("nan"),
         "compute_round_s_median": summary["round_s_median"],
+        **{k: summary[k] for k in ("target_accuracy", "rounds_to_target", "sim_time_to_target") if k in summary},
         "orchestration_ms_median": float(np.median(overhead[1:] or overhead)) * 1000 if overhead else float("nan"),
         "engine": state.meta.get("engine"),
         "engine_reason": state.meta.get("engine_reason"),

@@ -243,7 +243,7 @@ def test_fedavgm_heavy_ball_and_ema_forms():
 
 @pytest.mark.parametrize("algo", [{"name": "scaffold"}, {"name": "fedadam"}, {"name": "fedyogi"}, {"name": "fedavgm"},
                                   {"name": "fednova", "momentum": 0.5}, {"name": "fedprox", "mu": 0.1},
-                                  {"name": "fedsplit", "s": 0.5}])
+                                  {"name": "fedsplit", "s": 0.5}, {"name": "fedeff"}])
 def test_stateful_algorithms_resume_bit_identically(tmp_path, algo):
     cfg = validate(tiny_config(algorithm=algo, train={"rounds": 4, "local_work": "uniform_random", "local_epochs": 3}))
     full = run_rounds(prepare(cfg, tmp_path))
@@ -301,3 +301,54 @@ def test_fedsplit_exact_prox_needs_a_linear_model():
 
     with pytest.raises(ConfigError, match="closed-form prox"):
         _validate(tiny_config(algorithm={"name": "fedsplit", "prox": "exact"}))
+
+
+# ---------------------------------------------------------------------- FedEff and simulated time
+
+
+def test_fedeff_hand_worked_example():
+    from flockfl.algorithms.fedeff import fedeff_epochs
+
+    sigma, beta, delta = np.array([2, 4, 9]), np.array([1, 1, 2]), np.array([1, 2, 2])
+    epochs, ert, ct = fedeff_epochs(sigma, beta, delta, base_epochs=10, edf=0.5)
+    assert ert == 28
+    np.testing.assert_array_equal(ct, [26, 25, 24])
+    np.testing.assert_array_equal(epochs, [13, 6, 2])
+    assert np.all(epochs * sigma + beta + delta <= ert) and np.all(ert < (epochs + 1) * sigma + beta + delta)
+    same, _, _ = fedeff_epochs(np.full(4, 3.0), np.full(4, 1.0), np.full(4, 1.0), base_epochs=10, edf=0.5)
+    assert np.all(same >= 5)  # identical clients: E_i ≥ E = τ·E_b
+
+
+def test_fedeff_cuts_simulated_round_time_against_uniform_epochs(tmp_path):
+    speeds = {"compute_sigma": 1.0, "bandwidth_sigma": 0.3}
+    fedavg = run_rounds(prepare(validate(tiny_config(algorithm={"name": "fedavg"}, system=speeds,
+                                                     train={"rounds": 3, "local_epochs": 5})), tmp_path))
+    fedeff = run_rounds(prepare(validate(tiny_config(algorithm={"name": "fedeff", "edf": 0.5}, system=speeds,
+                                                     train={"rounds": 3, "local_epochs": 10})), tmp_path))
+    t_avg = np.mean([h["sim_round_time"] for h in fedavg.history])
+    t_eff = np.mean([h["sim_round_time"] for h in fedeff.history])
+    assert t_eff < 0.8 * t_avg
+    assert fedeff.history[-1]["sim_time"] == pytest.approx(sum(h["sim_round_time"] for h in fedeff.history))
+    epochs = fedeff.algo["epochs"].numpy()
+    assert epochs.min() < epochs.max()  # fast clients train more epochs
+
+
+def test_sim_round_time_is_the_slowest_clients_compute_plus_transfers(tmp_path):
+    cfg = validate(tiny_config(system={"client_compute": [10.0] * 11 + [1.0], "client_down": [1.0] * 12,
+                                       "client_up": [2.0] * 12, "compute_sigma": 0, "bandwidth_sigma": 0},
+                               partition={"scheme": "iid", "num_clients": 12},
+                               train={"rounds": 1, "clients_per_round": 12, "local_steps": 4}))
+    state = run_rounds(prepare(cfg, tmp_path))
+    mb = sum(v[0].numel() for v in state.models.values()) * 4 / 1e6
+    assert state.history[0]["sim_round_time"] == pytest.approx(4 / 1.0 + mb / 1.0 + mb / 2.0, rel=1e-6)
+
+
+def test_time_to_target_accuracy(tmp_path):
+    cfg = validate(tiny_config(train={"rounds": 6, "target_accuracy": 0.3}))
+    from flockfl.rounds import summarise
+
+    state = run_rounds(prepare(cfg, tmp_path))
+    s = summarise(state, 0.3)
+    hit = next(h for h in state.history if h["accuracy"] >= 0.3)
+    assert s["rounds_to_target"] == hit["round"] and s["sim_time_to_target"] == hit["sim_time"]
+    assert summarise(state, 0.9999)["rounds_to_target"] is None

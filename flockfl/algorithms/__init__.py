@@ -3,6 +3,7 @@
 from flockfl.algorithms.base import Algorithm, RunContext
 from flockfl.algorithms.fedavg import FedAvg
 from flockfl.algorithms.fedavgm import FedAvgM
+from flockfl.algorithms.fedeff import FedEff
 from flockfl.algorithms.fednova import FedNova
 from flockfl.algorithms.fedopt import FedAdagrad, FedAdam, FedYogi
 from flockfl.algorithms.fedprox import FedProx
@@ -13,7 +14,7 @@ from flockfl.algorithms.scaffold import Scaffold
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit)
+    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff)
 }
 
 

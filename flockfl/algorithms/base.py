@@ -17,7 +17,7 @@ MLflow; the flow (``flows/experiment.py``) calls them through thin tasks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
+from flockfl.system import SystemProfile, make_profile
 from models import init_params
 
 
@@ -41,6 +42,11 @@ class RunContext:
     model: nn.Module
     data: ClientData
     truth: dict = field(default_factory=dict)  # ground truth known to the generator (e.g. θ*)
+    system: Optional[SystemProfile] = None  # simulated client speeds; drawn from cfg.system if not given
+
+    def __post_init__(self) -> None:
+        if self.system is None:
+            self.system = make_profile(self.cfg.system, self.cfg.seed, self.data.num_clients)
 
     @property
     def seed(self) -> int:
@@ -167,6 +173,11 @@ class Algorithm:
         return evaluate_models(state.models, self.eval_assignment(state, ctx), ctx)
 
     # ------------------------------------------------------------------ accounting
+    def sim_round_time(self, state: ServerState, ctx: RunContext, clients: np.ndarray, steps: np.ndarray) -> float:
+        """Simulated seconds of a synchronous round: the slowest client's compute + transfers."""
+        down, up = self.comm_bytes(state, clients[:1])
+        return ctx.system.round_time(clients, steps, up / 1e6, down_models=max(1, round(down / max(up, 1))))
+
     def comm_bytes(self, state: ServerState, clients: np.ndarray) -> tuple[int, int]:
         """(down, up) bytes of one round: every selected client receives and returns one model."""
         per_model = num_params(state.models) * state.models[next(iter(state.models))].element_size()
