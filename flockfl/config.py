@@ -74,6 +74,11 @@ class AlgorithmConfig(_Section):
     prox: Literal["gd", "exact"] = "gd"  # FedSplit's prox solver (exact: linear least squares only)
     s: Optional[float] = Field(None, gt=0)  # FedSplit prox step size
     edf: Optional[float] = Field(None, gt=0, le=1)  # FedEff epoch-deciding factor τ
+    # CC-FL
+    server_opt: Literal["avg", "adam", "adagrad", "ams"] = "avg"
+    availability: float = Field(0.5, gt=0, le=1)  # probability that a client takes part in a round
+    max_delay: int = Field(2, ge=0)  # staleness bound: a client trains on x_{t−d}, d ∈ 0..max_delay
+    participants: Optional[int] = Field(None, ge=1)  # m, the divisor of Δ_t (default: availability·N)
     init: Literal["random", "given", "balanced_restart"] = "random"
     init_path: Optional[str] = None  # for init=given: a torch file holding k stacked models
     weighting: Optional[Literal["samples", "uniform"]] = None  # None: the algorithm's default

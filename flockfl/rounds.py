@@ -151,7 +151,7 @@ def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[Server
     spec = alg.local_spec(state, ctx, clients, round)
     engine = pick_engine(prep, state, spec)
     parts, dropped = [], []
-    for shard in split_spec(spec, prep.cfg.train.shard_size):
+    for shard in split_spec(spec, prep.cfg.train.shard_size) if len(clients) else []:  # nobody came (CC-FL)
         try:
             parts.append(train_shard(ctx, shard, engine, round))
         except Exception:

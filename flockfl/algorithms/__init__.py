@@ -1,6 +1,7 @@
 """Algorithms, keyed by their registry name (``algorithm.name``)."""
 
 from flockfl.algorithms.base import Algorithm, RunContext
+from flockfl.algorithms.ccfl import CCFL
 from flockfl.algorithms.fedavg import FedAvg
 from flockfl.algorithms.fedavgm import FedAvgM
 from flockfl.algorithms.fedeff import FedEff
@@ -14,7 +15,7 @@ from flockfl.algorithms.scaffold import Scaffold
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff)
+    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff, CCFL)
 }
 
 
