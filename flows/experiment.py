@@ -67,14 +67,17 @@ class Progress:
             self.bar.stop()
 
 
-def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri: str) -> Optional[Tracker]:
+def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri: str,
+                  parent_run_id: Optional[str] = None) -> Optional[Tracker]:
     if not cfg.tracking.enabled:
         return None
     info = read_run_file(run_dir)
     run_id = state.meta.get("mlflow_run_id") or info.get("mlflow_run_id")
+    tags = {"flockfl.run_dir": str(run_dir.resolve()), "flockfl.config_sha256": cfg.digest()}
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id  # a nested run (sweeps, comparisons)
     tracker = Tracker(uri, cfg.tracking.experiment or cfg.name, run_dir.name, run_id=run_id,
-                      params=cfg.to_flat(), tags={"flockfl.run_dir": str(run_dir.resolve()),
-                                                  "flockfl.config_sha256": cfg.digest()})
+                      params=cfg.to_flat(), tags=tags)
     if run_id is None:
         info["mlflow_run_id"] = tracker.run_id
         write_run_file(run_dir, info)
@@ -133,7 +136,8 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
 
 @flow(name="flockfl-experiment", persist_result=False, log_prints=False)
 def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/partitions",
-                    tracking_uri: str = "sqlite:///mlflow.db", progress: bool = True) -> dict:
+                    tracking_uri: str = "sqlite:///mlflow.db", progress: bool = True,
+                    parent_run_id: Optional[str] = None) -> dict:
     """Run (or continue) one experiment; returns the summary that ``flock run --json`` prints.
 
     In-memory values cross task boundaries wrapped in ``quote``: Prefect then skips walking
@@ -145,7 +149,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     prep = tasks.partition(cfg, partitions_root)
     state, warnings = tasks.restore(Q(prep), run_dir)
     resumed_from = state.round
-    tracker = _open_tracker(cfg, state, run_path, tracking_uri)
+    tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id)
     logged = tracker.last_logged_round() if tracker else 0
     if tracker and logged < state.round:  # a resumed run: log the rounds the crash kept from MLflow
         tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > logged])
@@ -216,8 +220,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
 
 
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, tracking_uri: str,
-                   progress: bool = True) -> dict:
+                   progress: bool = True, parent_run_id: Optional[str] = None) -> dict:
     """Run the flow with a thread pool sized for the shards (one at a time on small machines)."""
     runner = ThreadPoolTaskRunner(max_workers=max(1, cfg.train.parallel_shards))
     return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(
-        cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress)
+        cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id)

@@ -179,3 +179,27 @@ def test_flock_ui_serves_mlflow_on_loopback(project, reference_run):
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_compare_benchmark_nests_one_run_per_algorithm(project):
+    """benchmarks/compare.py: every algorithm a nested MLflow run under one parent, one table."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, flock_env
+
+    res = subprocess.run([sys.executable, str(ROOT / "benchmarks/compare.py"), "--base", "e2e.yaml",
+                          "--algorithms", "fedavg", "scaffold", "--set", "train.rounds=2", "--set", "algorithm.k=1",
+                          "--target", "0.05", "--tracking-uri", uri(project), "--params", str(project / "none.yaml")],
+                         cwd=project, env=flock_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    table = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| algorithm | final acc | best acc | p10 acc | rounds to target")
+    assert [row.split("|")[1].strip() for row in table[2:]] == ["fedavg", "scaffold"]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri(project))
+    parent_id = res.stdout.split("MLflow parent run ")[1].split()[0]
+    exp = client.get_run(parent_id).info.experiment_id
+    children = client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
+    assert sorted(c.data.params["algorithm.name"] for c in children) == ["fedavg", "scaffold"]
