@@ -179,14 +179,16 @@ def _prepared(cfg, data) -> PreparedRun:
     {"name": "fedyogi"},
     {"name": "fedavgm"},
     {"name": "fedsplit", "s": 0.5},
+    {"name": "fedeff"},
+    {"name": "ccfl", "server_opt": "ams", "availability": 0.7, "max_delay": 1},
 ])
 def test_whole_rounds_agree_between_engines(algo):
     data = random_clients([9, 14, 21, 6, 30, 11, 8, 19])
     states = {}
+    work = {"local_steps": 4} if algo["name"] == "ccfl" else {"local_work": "uniform_random", "local_epochs": 2}
     for engine in ("reference", "vectorized"):
         cfg = validate(tiny_config(algorithm=algo, partition={"num_clients": 8},
-                                   train={"engine": engine, "rounds": 3, "clients_per_round": 5, "batch_size": 4,
-                                          "local_work": "uniform_random", "local_epochs": 2}))
+                                   train={"engine": engine, "rounds": 3, "clients_per_round": 5, "batch_size": 4, **work}))
         states[engine] = run_rounds(_prepared(cfg, data))
     ref, vec = states["reference"], states["vectorized"]
     assert rel_err(vec.models, ref.models) < 1e-5
