@@ -225,6 +225,10 @@ def _print_summary(s: dict) -> None:
     width = max(len(str(k)) for k, _ in rows)
     for k, v in rows:
         print(f"  {str(k).ljust(width)}  {v}")
+    if s.get("target_accuracy") is not None:
+        hit = s.get("rounds_to_target")
+        print(f"  {'target'.ljust(width)}  accuracy {s['target_accuracy']}: "
+              + (f"reached at round {hit}, sim_time {s['sim_time_to_target']:.1f}s" if hit else "not reached"))
     if s.get("clients_dropped"):
         print(f"  {'dropped'.ljust(width)}  {s['clients_dropped']} client trainings failed and were dropped")
     for w in s.get("checkpoint_warnings", []):
