@@ -411,7 +411,7 @@ def test_ccfl_stale_updates_start_from_older_models(tmp_path):
     clients = alg.select(state, ctx, 3)
     delays = alg.delays(ctx, clients, 3)
     spec = alg.local_spec(state, ctx, clients, 3)
-    hist = [h for h in (state.algo["past_models"],)][0]
+    hist = state.algo["past_models"]
     assert set(delays) <= {0, 1, 2} and len(set(delays)) > 1
     for i, d in enumerate(delays):
         for key in spec.init:
