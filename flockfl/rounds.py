@@ -56,8 +56,11 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
 
 
 def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
-    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients."""
+    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients
+    (none for an empty cohort: under CC-FL a round can have no participants)."""
     n = len(spec.clients)
+    if n == 0:
+        return []
     if n <= shard_size:
         return [spec]
     return [restrict(spec, slice(a, min(n, a + shard_size))) for a in range(0, n, shard_size)]
@@ -102,6 +105,8 @@ def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
     if "engine" in state.meta:
         return state.meta["engine"]
     cfg = prep.cfg.train
+    if len(spec.clients) == 0:  # nothing to time or train this round; decide on a real cohort
+        return "vectorized" if cfg.engine == "auto" else cfg.engine
     if cfg.engine != "auto":
         state.meta["engine"], state.meta["engine_reason"] = cfg.engine, "configured"
         return cfg.engine
@@ -151,7 +156,7 @@ def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[Server
     spec = alg.local_spec(state, ctx, clients, round)
     engine = pick_engine(prep, state, spec)
     parts, dropped = [], []
-    for shard in split_spec(spec, prep.cfg.train.shard_size) if len(clients) else []:  # nobody came (CC-FL)
+    for shard in split_spec(spec, prep.cfg.train.shard_size):
         try:
             parts.append(train_shard(ctx, shard, engine, round))
         except Exception:

@@ -162,7 +162,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
             body0 = tasks.BODY_SECONDS[0]
             spec = tasks.select(Q(prep), Q(state), r)
             engine = rounds.pick_engine(prep, state, spec)
-            result, dropped = _train(prep, spec, engine, r) if len(spec.clients) else (None, [])
+            result, dropped = _train(prep, spec, engine, r)
             maybe_crash("train", r)
             if result is not None:
                 kept = rounds.restrict_spec(spec, result.clients)

@@ -453,3 +453,13 @@ def test_ccfl_needs_local_steps():
         _validate(tiny_config(algorithm={"name": "ccfl"}))
     with pytest.raises(ConfigError, match="availability"):
         _validate(tiny_config(algorithm={"name": "ccfl", "availability": 0}, train={"local_steps": 2}))
+
+
+def test_rounds_with_no_participants_go_on(tmp_path):
+    """A CC-FL round can have nobody: no training, no aggregation, the round still counts,
+    and the auto engine choice waits for a real cohort."""
+    cfg = validate(tiny_config(algorithm={"name": "ccfl", "availability": 0.05}, train={"rounds": 6, "local_steps": 2}))
+    state = run_rounds(prepare(cfg, tmp_path))
+    counts = [h["clients"] for h in state.history]
+    assert 0 in counts and len(state.history) == 6
+    assert all(h["sim_round_time"] == 0.0 for h in state.history if h["clients"] == 0)
