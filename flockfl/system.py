@@ -42,12 +42,11 @@ class SystemProfile:
         """(β_i, δ_i): download and upload seconds of one model."""
         return model_mb / self.down, model_mb / self.up
 
-    def round_time(self, clients: np.ndarray, steps: np.ndarray, model_mb: float, down_models: int = 1) -> float:
-        """The slowest selected client's compute plus communication."""
+    def round_time(self, clients: np.ndarray, steps: np.ndarray, down_mb: float, up_mb: float) -> float:
+        """The slowest selected client's compute plus communication (MB each way per client)."""
         if len(clients) == 0:
             return 0.0
-        beta, delta = self.link_seconds(model_mb)
-        t = steps * self.step_seconds()[clients] + down_models * beta[clients] + delta[clients]
+        t = steps * self.step_seconds()[clients] + down_mb / self.down[clients] + up_mb / self.up[clients]
         return float(t.max())
 
 

@@ -124,10 +124,11 @@ class Algorithm:
             return None
         return np.array([np_rng(ctx.seed, round, int(c), "local_work").integers(1, t.local_epochs + 1) for c in clients])
 
-    def pseudo_gradient(self, state: ServerState, result: TrainResult, uniform: bool = False) -> dict[str, torch.Tensor]:
-        """Δ = Σ_i p_i (x − x_i) over the trained clients (positive in the descent direction)."""
+    def pseudo_gradient(self, state: ServerState, result: TrainResult) -> dict[str, torch.Tensor]:
+        """Δ = Σ_i p_i (x − x_i) over the trained clients (positive in the descent direction),
+        with p_i from ``algorithm.weighting``."""
         everyone = np.arange(len(result.clients))
-        w = torch.full((len(everyone),), 1.0 / len(everyone)) if uniform else self.weights(result, everyone)
+        w = self.weights(result, everyone)
         out = {}
         for k, v in state.models.items():
             x = v[0]
@@ -175,8 +176,8 @@ class Algorithm:
     # ------------------------------------------------------------------ accounting
     def sim_round_time(self, state: ServerState, ctx: RunContext, clients: np.ndarray, steps: np.ndarray) -> float:
         """Simulated seconds of a synchronous round: the slowest client's compute + transfers."""
-        down, up = self.comm_bytes(state, clients[:1])
-        return ctx.system.round_time(clients, steps, up / 1e6, down_models=max(1, round(down / max(up, 1))))
+        down, up = self.comm_bytes(state, clients[:1])  # one client's bytes each way
+        return ctx.system.round_time(clients, steps, down / 1e6, up / 1e6)
 
     def comm_bytes(self, state: ServerState, clients: np.ndarray) -> tuple[int, int]:
         """(down, up) bytes of one round: every selected client receives and returns one model."""

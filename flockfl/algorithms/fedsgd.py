@@ -6,9 +6,6 @@ with one full-batch local step (E = 1, B = ∞), which is how it runs here: the 
 one step gives Δ_i = w − w_i = η g_i and the server subtracts the weighted mean of Δ_i.
 """
 
-import numpy as np
-import torch
-
 from flockfl.algorithms.base import Algorithm
 from flockfl.engine.schedule import LocalSpec
 
@@ -22,9 +19,6 @@ class FedSGD(Algorithm):
         return spec
 
     def aggregate(self, state, ctx, spec, result, assign):
-        w = self.weights(result, np.arange(len(result.clients)))
-        models = {}
-        for k, v in state.models.items():
-            delta = v[0].unsqueeze(0) - result.params[k]  # η g_i
-            models[k] = (v[0] - torch.tensordot(w.to(delta.dtype), delta, dims=1)).unsqueeze(0)
+        delta = self.pseudo_gradient(state, result)  # Σ p_i η g_i
+        models = {k: (v[0] - delta[k]).unsqueeze(0) for k, v in state.models.items()}
         return self._with_assignments(state, models, result.clients, assign)

@@ -54,7 +54,7 @@ class Scaffold(Algorithm):
         c, c_all = state.algo["c"], state.algo["c_clients"]
         steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32))
         grad_x = self.full_gradient(state, ctx, clients) if self.option == "I" else None
-        w = self.weights(result, np.arange(len(clients)))
+        step = self.pseudo_gradient(state, result)  # −Δx = mean(x − y_i)
         models, new_c, new_c_all = {}, {}, {}
         for k, v in state.models.items():
             x = v[0]
@@ -65,9 +65,8 @@ class Scaffold(Algorithm):
             else:
                 scale = (1.0 / (steps * self.cfg.train.lr)).reshape(-1, *([1] * x.dim()))
                 ci = old_ci - c[k].unsqueeze(0) + scale * (x.unsqueeze(0) - y)
-            dx = (w @ (y - x.unsqueeze(0)).reshape(len(clients), -1)).reshape(x.shape)
             dc = (ci - old_ci).mean(0)
-            models[k] = (x + float(self.hp("server_lr")) * dx).unsqueeze(0)
+            models[k] = (x - float(self.hp("server_lr")) * step[k]).unsqueeze(0)
             new_c[k] = c[k] + (len(clients) / ctx.num_clients) * dc
             new_c_all[k] = c_all[k].clone()
             new_c_all[k][idx] = ci
