@@ -135,7 +135,7 @@ def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
     uri = resolve_tracking_uri(args.tracking_uri, cfg.tracking.uri)
     info = read_run_file(run_dir)
     if fresh or "config" not in info:
-        _preflight(cfg, args.partitions)
+        _build_partition(cfg, args.partitions)  # before Prefect starts: data errors are one line
         run_dir.mkdir(parents=True, exist_ok=True)
         info.update({"config": cfg.model_dump(), "tracking_uri": uri, "partitions_root": str(Path(args.partitions).resolve()),
                      "metrics_file": getattr(args, "metrics_file", None), "created": dt.datetime.now().isoformat()})
@@ -151,18 +151,19 @@ def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
     return summary
 
 
-def _preflight(cfg, partitions_root: str) -> None:
-    """Load the data and build (or find) the partition before Prefect starts, so that a
-    missing dataset or an impossible partition is one line, not a failed flow. The flow's
-    partition task then loads the cached file."""
+def _build_partition(cfg, partitions_root: str):
+    """Load the data and build (or find) the partition: (dataset, partition, path, cached).
+
+    ``flock run`` calls it before Prefect starts, so that a missing dataset or an impossible
+    partition is one line, not a failed flow; the flow's partition task then loads the file."""
     from flockfl.data import build_or_load, load_dataset
 
-    build_or_load(load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients), cfg, partitions_root)
+    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    return (ds, *build_or_load(ds, cfg, partitions_root))
 
 
 def cmd_partition(args) -> dict:
     from flockfl.config import ConfigError, load_experiment, load_partition_config, load_params
-    from flockfl.data import build_or_load, load_dataset
     from flockfl.data.partition import summary
 
     params = load_params(args.params)
@@ -178,8 +179,7 @@ def cmd_partition(args) -> dict:
         except ConfigError as err:
             known = ", ".join(sorted(params.get("partitions") or {})) or "none"
             raise ConfigError(f"{err} (partitions: {known})") from None
-    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
-    part, path, cached = build_or_load(ds, cfg, args.out)
+    ds, part, path, cached = _build_partition(cfg, args.out)
     s = summary(part, ds)
     return {"partition": str(path), "cached": cached, "content_hash": part.content_hash,
             "num_clients": s["num_clients"], "size_stats": s["size_stats"], "label_skew_tv": s.get("label_skew_tv")}
