@@ -6,6 +6,7 @@ order comes from the stream (seed, round, client, "shuffle") alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -108,8 +109,6 @@ def stack_schedule(batches: list[list[np.ndarray]], offsets: np.ndarray, clients
 def restrict(spec: LocalSpec, positions) -> LocalSpec:
     """The spec of the clients at ``positions`` (an index array or a slice) of the cohort;
     every per-client field follows."""
-    import dataclasses
-
     n = len(spec.clients)
     pos_t = positions if isinstance(positions, slice) else torch.as_tensor(positions, dtype=torch.long)
 
