@@ -18,8 +18,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg")
-SCHEMES = ("iid", "dirichlet", "shards", "rotated", "label_swap", "natural")
+DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix")
+SCHEMES = ("iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural", "sc_niid", "sc_dir", "mix")
 MODELS = ("mclr", "mlp", "lenet5", "linear")
 
 
@@ -32,8 +32,11 @@ class _Section(BaseModel):
 
 
 class DatasetConfig(_Section):
-    name: Literal["digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg"] = "digits"
+    name: Literal["digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix"] = "digits"
     path: Optional[str] = None  # npz file, or a directory holding IDX files
+    # mix: every source is one ground-truth group with its own 10 labels (offset 10 per source);
+    # None = fashion_mnist and digits (brought to 28×28), plus mnist when its files are present
+    sources: Optional[list[Literal["fashion_mnist", "mnist", "digits"]]] = None
     test_fraction: float = Field(0.2, gt=0, lt=1)  # digits only: held-out share of the bundled set
     # synthetic_linreg (IFCA mixture of linear regressions, spec §4.1)
     clusters: int = Field(2, ge=1)
@@ -46,44 +49,49 @@ class DatasetConfig(_Section):
 
 class PartitionConfig(_Section):
     name: Optional[str] = None  # a partition named in params.yaml: its settings are inherited
-    scheme: Literal["iid", "dirichlet", "shards", "rotated", "label_swap", "natural"] = "iid"
-    num_clients: int = Field(10, ge=1)
+    scheme: Literal["iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural",
+                    "sc_niid", "sc_dir", "mix"] = "iid"
+    # None: 10, or with scheme=natural as many clients as the data holds
+    num_clients: Optional[int] = Field(None, ge=1)
     alpha: float = Field(0.5, gt=0)
     k: int = Field(4, ge=1)
     classes_per_client: int = Field(2, ge=1)
     label_swap_mode: Literal["pairs", "random_perm"] = "pairs"
-
+    # C-NIID(ρ%) / SC-NIID(ρ%): the share of labels (in percent) each client holds (thesis §3.3)
+    rho: Optional[float] = Field(None, gt=0, le=100)
+    # super clusters of classes (SC-NIID / SC-Dir, thesis §5.2.1): class-subspace signatures with
+    # sc_p left singular vectors, Eq. 5.1 angles, hierarchical clustering into sc_clusters groups
+    # (or cut at sc_threshold degrees when that is set)
+    sc_p: int = Field(3, ge=1)
+    sc_clusters: int = Field(2, ge=1)
+    sc_threshold: Optional[float] = Field(None, gt=0)
+    sc_linkage: Literal["weighted", "average", "complete", "single"] = "weighted"
+    samples_per_client: Optional[int] = Field(None, ge=1)  # mix: samples per client (default: as many as fit evenly)
+    # clients that never train and join after federation (newcomers); drawn from (seed, "unseen")
+    unseen_fraction: float = Field(0.0, ge=0, lt=1)
+    # training samples (stratified) withheld from every client as the server's own data (FLIS);
+    # None = what the algorithm needs (algorithm.server_data_size), else 0
+    server_holdout: Optional[int] = Field(None, ge=0)
 
 class ModelConfig(_Section):
     name: Literal["mclr", "mlp", "lenet5", "linear"] = "mlp"
     hidden: int = Field(200, ge=1)
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(BaseModel):
+    """``algorithm.name`` plus that algorithm's own hyper-parameters.
+
+    The keys are not listed here: each algorithm declares its own (name, default, range,
+    meaning, symbol) beside its maths (``flockfl/algorithms/*.py``, see ``hyper.py``). They are
+    checked, and their defaults filled in, when the experiment config is validated.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
     name: str = "fedavg"
-    k: int = Field(1, ge=1)
-    option: Optional[str] = None  # IFCA: gradient|model (model); SCAFFOLD: I|II (II)
-    # optimisers (None = the algorithm's documented default)
-    mu: Optional[float] = Field(None, ge=0)  # FedProx / FedNova proximal weight
-    server_lr: Optional[float] = Field(None, gt=0)  # η / η_g / η_s
-    momentum: Optional[float] = Field(None, ge=0, lt=1)  # FedAvgM server β; FedNova local ρ
-    momentum_style: Literal["heavy_ball", "ema"] = "heavy_ball"  # FedAvgM
-    beta1: Optional[float] = Field(None, ge=0, lt=1)  # FedOpt
-    beta2: Optional[float] = Field(None, gt=0, lt=1)  # FedOpt
-    tau: Optional[float] = Field(None, gt=0)  # FedOpt ε (adaptivity)
-    prox: Literal["gd", "exact"] = "gd"  # FedSplit's prox solver (exact: linear least squares only)
-    s: Optional[float] = Field(None, gt=0)  # FedSplit prox step size
-    edf: Optional[float] = Field(None, gt=0, le=1)  # FedEff epoch-deciding factor τ
-    # CC-FL
-    server_opt: Literal["avg", "adam", "adagrad", "ams"] = "avg"
-    availability: float = Field(0.5, gt=0, le=1)  # probability that a client takes part in a round
-    max_delay: int = Field(2, ge=0)  # staleness bound: a client trains on x_{t−d}, d ∈ 0..max_delay
-    participants: Optional[int] = Field(None, ge=1)  # m, the divisor of Δ_t (default: availability·N)
-    init: Literal["random", "given", "balanced_restart"] = "random"
-    init_path: Optional[str] = None  # for init=given: a torch file holding k stacked models
-    weighting: Optional[Literal["samples", "uniform"]] = None  # None: the algorithm's default
-    min_cluster_frac: float = Field(0.1, ge=0, lt=1)  # balanced_restart
-    max_tries: int = Field(10, ge=1)
+
+    def hyper(self) -> dict[str, Any]:
+        """The hyper-parameters (every key but ``name``)."""
+        return dict(self.__pydantic_extra__ or {})
 
 
 class TrainConfig(_Section):
@@ -101,6 +109,11 @@ class TrainConfig(_Section):
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = number of cores (max 4)
     eval_every: int = Field(1, ge=1)
     max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
+    # local epochs of the "after local training" evaluation convention (accuracy_finetuned, the
+    # thesis's metric) and of newcomers' fine-tuning; None = local_epochs
+    finetune_epochs: Optional[int] = Field(None, ge=0)
+    # when accuracy_finetuned is computed: at the last round (final), at every evaluation, or never
+    eval_finetune: Literal["final", "every", "off"] = "final"
     checkpoints_to_keep: int = Field(3, ge=2)
     # per-client local work: constant (every client E epochs) or uniform_random (E_i drawn from
     # 1..E per client and round, from the (seed, round, client, "local_work") stream)
@@ -144,31 +157,42 @@ class ExperimentConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":
         from flockfl.algorithms import ALGORITHMS  # local: algorithms import config
+        from flockfl.algorithms.hyper import declared, resolve
 
-        if self.algorithm.name not in ALGORITHMS:
+        cls = ALGORITHMS.get(self.algorithm.name)
+        if cls is None:
             raise ValueError(
                 f"algorithm.name: unknown algorithm {self.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
             )
-        ALGORITHMS[self.algorithm.name].check_config(self)
+        resolved = resolve(cls, self.algorithm.hyper(), ALGORITHMS)
+        extra = self.algorithm.__pydantic_extra__
+        extra.clear()
+        extra.update(resolved)
+        part = self.partition
+        if part.num_clients is None and part.scheme != "natural":
+            part.num_clients = 10
+        if part.server_holdout is None:  # the server's own data, for the algorithms that need it
+            part.server_holdout = int(resolved["server_data_size"]) if "server_data_size" in declared(cls) else 0
+        cls.check_config(self)
+        n = part.num_clients
         for key in ("client_compute", "client_down", "client_up"):
             given = getattr(self.system, key)
-            if given is not None and (len(given) != self.partition.num_clients or min(given) <= 0):
-                raise ValueError(f"system.{key}: needs {self.partition.num_clients} positive values, one per client")
-        regression = self.dataset.name == "synthetic_linreg"
-        if regression and self.model.name != "linear":
+            if given is not None and ((n is not None and len(given) != n) or min(given) <= 0):
+                raise ValueError(f"system.{key}: needs {n} positive values, one per client")
+        # regression or classification: known here for the built-in datasets; an npz file's
+        # labels decide it when the data is loaded (flockfl.rounds.check_task)
+        if self.dataset.name == "synthetic_linreg" and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
-        if not regression and self.model.name == "linear":
+        if self.dataset.name not in ("synthetic_linreg", "npz") and self.model.name == "linear":
             raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs mclr, mlp or lenet5")
         if self.dataset.name == "npz" and not self.dataset.path:
             raise ValueError("dataset.path: the npz dataset needs a file; set dataset.path=/path/to/data.npz")
-        if self.algorithm.init == "given" and not self.algorithm.init_path:
-            raise ValueError("algorithm.init_path: init=given needs a file of k stacked models; set algorithm.init_path")
-        if self.train.clients_per_round > self.partition.num_clients:
+        if n is not None and self.train.clients_per_round > n:
             raise ValueError(
                 f"train.clients_per_round: {self.train.clients_per_round} exceeds partition.num_clients="
                 f"{self.partition.num_clients}; lower it or add clients"
             )
-        if self.partition.scheme in ("rotated", "label_swap") and self.partition.k > self.partition.num_clients:
+        if self.partition.scheme in ("rotated", "label_swap") and self.partition.k > (n or 0):
             raise ValueError(
                 f"partition.k: {self.partition.k} groups need at least as many clients (num_clients={self.partition.num_clients})"
             )
@@ -318,9 +342,40 @@ def load_experiment(
         raise ConfigError(
             f"unknown experiment {name_or_path!r}: not a config file and not in {params_path} (experiments: {known})"
         )
-    raw = deep_merge(raw, parse_set(overrides or []))
+    over = parse_set(overrides or [])
+    notices: list[str] = []
+    raw = deep_merge(switch_algorithm(raw, over, notices.append), over)
     raw = resolve_partition_ref(raw, params)
-    return validate(raw)
+    cfg = validate(raw)
+    for note in notices:  # only for a config that loads: an error stays one line
+        _notice(note)
+    return cfg
+
+
+def switch_algorithm(raw: dict[str, Any], override: dict[str, Any], notify=None) -> dict[str, Any]:
+    """``--set algorithm.name=X`` on a config written for Y swaps the whole algorithm block
+    (Hydra's config groups): Y's keys that X does not take are dropped, with a one-line notice."""
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.algorithms.hyper import declared
+
+    new = (override.get("algorithm") or {}).get("name")
+    old_block = raw.get("algorithm") or {}
+    if not new or new == old_block.get("name", "fedavg") or new not in ALGORITHMS:
+        return raw
+    takes = declared(ALGORITHMS[new])
+    dropped = sorted(k for k in old_block if k != "name" and k not in takes)
+    if dropped:
+        (notify or _notice)(f"algorithm.name={new}: dropped {', '.join(f'algorithm.{k}' for k in dropped)} "
+                            f"(a key of {old_block.get('name', 'fedavg')} that {new} does not take)")
+    out = dict(raw)
+    out["algorithm"] = {k: v for k, v in old_block.items() if k not in dropped}
+    return out
+
+
+def _notice(message: str) -> None:
+    import sys
+
+    print(f"flock: note: {message}", file=sys.stderr)
 
 
 def load_partition_config(name: str, params_path: str | Path = "params.yaml") -> ExperimentConfig:

@@ -45,3 +45,19 @@ def assignment_heatmap(history: np.ndarray, groups: np.ndarray, path: Path) -> P
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def matrix_heatmap(matrix: np.ndarray, groups: np.ndarray, title: str, path: Path) -> Path:
+    """A client × client matrix (PACFL's proximity, FLIS's similarity), clients sorted by true group."""
+    n = matrix.shape[0]
+    order = np.argsort(groups[:n], kind="stable") if len(groups) >= n and (groups[:n] >= 0).all() else np.arange(n)
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    im = ax.imshow(matrix[np.ix_(order, order)], interpolation="nearest", cmap="viridis")
+    ax.set_title(title)
+    ax.set_xlabel("client (sorted by true group)" if order is not None else "client")
+    ax.set_ylabel("client")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

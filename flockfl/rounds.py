@@ -16,10 +16,13 @@ import numpy as np
 import torch
 
 from flockfl.algorithms import Algorithm, RunContext, build_algorithm
-from flockfl.config import ExperimentConfig
+from flockfl.algorithms.base import own_model_metrics, summarise_clients
+from flockfl.config import ConfigError, ExperimentConfig
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
+from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import restrict
+from flockfl.faults import maybe_crash
 from flockfl.state import ServerState
 from models import build_model
 
@@ -44,12 +47,35 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     """Load the data, build or load the partition (content-addressed cache), and the model."""
     threads = configure_threads(cfg.train.threads)
     ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    check_task(cfg, ds)
     part, path, cached = build_or_load(ds, cfg, partitions_root)
+    check_population(cfg, part.num_clients)
     data = build_client_data(ds, part).to(resolve_device(cfg.train.device))
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
     ctx = RunContext(cfg, model, data, truth)
     return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads)
+
+
+def check_task(cfg: ExperimentConfig, ds) -> None:
+    """The data decides regression or classification (float labels are regression); the
+    model must fit it, and the cohort must fit the population."""
+    if ds.task == "regression" and cfg.model.name != "linear":
+        raise ConfigError(f"model.name: {cfg.model.name!r} is a classifier; dataset {cfg.dataset.name!r} has float labels "
+                          "(a regression task); use model.name=linear")
+    if ds.task == "classification" and cfg.model.name == "linear":
+        raise ConfigError(f"model.name: 'linear' is a regression model; dataset {cfg.dataset.name!r} has class labels, "
+                          "so it needs mclr, mlp or lenet5")
+
+
+def check_population(cfg: ExperimentConfig, num_clients: int) -> None:
+    """The cohort must fit the clients that federate (all but the newcomers)."""
+    from flockfl.algorithms.base import unseen_clients
+
+    seen = num_clients - len(unseen_clients(num_clients, cfg.partition.unseen_fraction, cfg.seed))
+    if cfg.train.clients_per_round > seen:
+        raise ConfigError(f"train.clients_per_round: {cfg.train.clients_per_round} exceeds the {seen} clients that federate "
+                          f"({num_clients} clients, unseen_fraction={cfg.partition.unseen_fraction}); lower it")
 
 
 # ---------------------------------------------------------------------- training
@@ -117,7 +143,112 @@ def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
     return choice
 
 
-# ---------------------------------------------------------------------- one round, plain
+# ---------------------------------------------------------------------- stages
+# Each stage is a plain function of (prep, ...). The plain loop calls them directly; the
+# Prefect flow hands task-wrapped versions of the same functions to the same driver.
+
+
+def pre_federation_stage(prep: PreparedRun, state: ServerState) -> ServerState:
+    """The algorithm's one-shot pre-federation step, timed; its cost goes into the state."""
+    t0 = time.perf_counter()
+    new = prep.algorithm.pre_federation(state, prep.ctx)
+    cost = new.meta.pop("pre_federation_bytes", {"up": 0, "down": 0})
+    new.meta["pre_federation"] = {"seconds": time.perf_counter() - t0, "bytes_up": int(cost["up"]),
+                                  "bytes_down": int(cost["down"])}
+    maybe_crash("pre_federation", 0)
+    return new
+
+
+def select_stage(prep: PreparedRun, state: ServerState, round: int) -> LocalSpec:
+    """Choose the cohort and how each client trains (``select`` + ``local_spec`` hooks)."""
+    alg = prep.algorithm
+    clients = alg.select(state, prep.ctx, round)
+    spec = alg.local_spec(state, prep.ctx, clients, round)
+    maybe_crash("select", round)
+    return spec
+
+
+def train_stage(prep: PreparedRun, spec: LocalSpec, engine: str, round: int) -> tuple[Optional[TrainResult], list[int]]:
+    """Train the cohort shard by shard; a shard that fails ``train.max_retries + 1`` times has
+    its clients trained one by one, and the failing ones are dropped."""
+    parts, dropped = [], []
+    for shard in split_spec(spec, prep.cfg.train.shard_size):
+        for attempt in range(prep.cfg.train.max_retries + 1):
+            try:
+                parts.append(train_shard(prep.ctx, shard, engine, round))
+                break
+            except Exception:
+                continue
+        else:
+            part, lost = isolate_failures(prep.ctx, shard, engine, round)
+            parts += [part] if part is not None else []
+            dropped += lost
+    return (TrainResult.concat(parts) if parts else None), dropped
+
+
+def cluster_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult) -> np.ndarray:
+    return prep.algorithm.cluster(state, prep.ctx, spec, result)
+
+
+def aggregate_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult,
+                    assign: np.ndarray, round: int) -> ServerState:
+    new = prep.algorithm.aggregate(state, prep.ctx, spec, result, assign)
+    maybe_crash("aggregate", round)
+    return new
+
+
+def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[str, Any]:
+    """The algorithm's evaluation (each client with its cluster or global model, un-tuned);
+    then, per ``train.eval_finetune``, the same after local fine-tuning (the thesis's
+    convention); after the last round, the newcomers join and are measured."""
+    alg, ctx, cfg = prep.algorithm, prep.ctx, prep.cfg
+    metrics = alg.evaluate(state, ctx)
+    last = round + 1 == cfg.train.rounds
+    engine = state.meta.get("engine", "vectorized")
+    if cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last):
+        assign = metrics["_assignment"][ctx.seen]
+        res = alg.finetune(state, ctx, ctx.seen, assign, round, engine, "finetune")
+        loss, acc, n = own_model_metrics(ctx.model, res.params, ctx.data.test, ctx.seen, ctx.data.task)
+        metrics.update(summarise_clients(loss, acc, n, ctx.data.task, "_finetuned"))
+    if last and len(ctx.unseen):
+        metrics.update(newcomer_metrics(prep, state, round, engine))
+    maybe_crash("evaluate", round)
+    return metrics
+
+
+def newcomer_metrics(prep: PreparedRun, state: ServerState, round: int, engine: str) -> dict[str, Any]:
+    """Newcomers join by the algorithm's rule, then fine-tune ``train.finetune_epochs``
+    epochs: ``unseen_accuracy`` (after fine-tuning, the thesis's metric) and
+    ``unseen_accuracy_untuned`` (the model they were given)."""
+    alg, ctx = prep.algorithm, prep.ctx
+    joined, assign, rule = alg.admit_newcomers(state, ctx, ctx.unseen)
+    loss0, acc0, n = own_model_metrics(ctx.model, index_params(joined.models, torch.from_numpy(assign)),
+                                       ctx.data.test, ctx.unseen, ctx.data.task)
+    res = alg.finetune(joined, ctx, ctx.unseen, assign, round, engine, "newcomer")
+    loss, acc, _ = own_model_metrics(ctx.model, res.params, ctx.data.test, ctx.unseen, ctx.data.task)
+    out = {f"unseen_{k}": v for k, v in summarise_clients(loss, acc, n, ctx.data.task).items()}
+    out.update({f"unseen_{k}_untuned": v for k, v in summarise_clients(loss0, acc0, n, ctx.data.task).items()})
+    out["_newcomers"] = {"clients": ctx.unseen.tolist(), "clusters": assign.tolist(), "rule": rule,
+                         "new_clusters": int(joined.k - state.k)}
+    return out
+
+
+@dataclass
+class Stages:
+    """The stage functions a round calls (the plain ones by default)."""
+
+    pre_federation: Callable = pre_federation_stage
+    select: Callable = select_stage
+    train: Callable = train_stage
+    cluster: Callable = cluster_stage
+    aggregate: Callable = aggregate_stage
+    evaluate: Callable = evaluate_stage
+
+
+PLAIN = Stages()
+
+
+# ---------------------------------------------------------------------- the round driver
 
 
 def should_evaluate(cfg: ExperimentConfig, round: int) -> bool:
@@ -143,43 +274,60 @@ def finish_round(prep: PreparedRun, state: ServerState, clients: np.ndarray, met
     row.update({"round": state.round + 1, "clients": len(clients), "clients_dropped": len(dropped),
                 "bytes_down": down, "bytes_up": up, "bytes_total": down + up, "round_time_s": wall,
                 "sim_round_time": sim_round, "sim_time": sim_total})
+    meta = state.meta
+    if metrics and "_newcomers" in metrics:
+        meta = {**meta, "newcomers": metrics["_newcomers"]}
     assigned = metrics["_assignment"] if metrics else state.assignments
     hist = np.vstack([state.assignment_history, assigned[None, :]])
-    return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist), row
+    return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist, meta=meta), row
+
+
+def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stages = PLAIN) -> tuple[ServerState, dict[str, Any]]:
+    """One round: select → train (sharded) → cluster → aggregate → evaluate."""
+    t0 = time.perf_counter()
+    spec = stages.select(prep, state, round)
+    engine = pick_engine(prep, state, spec)
+    result, dropped = stages.train(prep, spec, engine, round)
+    maybe_crash("train", round)
+    if result is not None:
+        kept = restrict_spec(spec, result.clients)
+        assign = stages.cluster(prep, state, kept, result)
+        state = stages.aggregate(prep, state, kept, result, assign, round)
+    metrics = stages.evaluate(prep, state, round) if should_evaluate(prep.cfg, round) else None
+    return finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0, result)
+
+
+def needs_pre_federation(prep: PreparedRun, state: ServerState) -> bool:
+    return prep.algorithm.has_pre_federation() and "pre_federation" not in state.meta
+
+
+def drive(prep: PreparedRun, state: Optional[ServerState] = None, stages: Stages = PLAIN, until: Optional[int] = None,
+          on_pre_federation: Optional[Callable[[ServerState], None]] = None,
+          on_round: Optional[Callable[[ServerState, dict], None]] = None) -> ServerState:
+    """The whole run: the pre-federation step (once, unless the state already holds it), then
+    the rounds from ``state.round`` up to ``until`` (default ``train.rounds``)."""
+    state = state or prep.algorithm.init_state(prep.ctx)
+    if needs_pre_federation(prep, state):
+        state = stages.pre_federation(prep, state)
+        if on_pre_federation:
+            on_pre_federation(state)
+    for r in range(state.round, until if until is not None else prep.cfg.train.rounds):
+        state, row = drive_round(prep, state, r, stages)
+        if on_round:
+            on_round(state, row)
+    return state
 
 
 def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[ServerState, dict[str, Any]]:
-    """select → train (sharded) → cluster → aggregate → evaluate, with no orchestrator."""
-    t0 = time.perf_counter()
-    alg, ctx = prep.algorithm, prep.ctx
-    clients = alg.select(state, ctx, round)
-    spec = alg.local_spec(state, ctx, clients, round)
-    engine = pick_engine(prep, state, spec)
-    parts, dropped = [], []
-    for shard in split_spec(spec, prep.cfg.train.shard_size):
-        try:
-            parts.append(train_shard(ctx, shard, engine, round))
-        except Exception:
-            part, lost = isolate_failures(ctx, shard, engine, round)
-            parts += [part] if part is not None else []
-            dropped += lost
-    result = TrainResult.concat(parts) if parts else None
-    if result is not None:
-        spec = restrict_spec(spec, result.clients)
-        assign = alg.cluster(state, ctx, spec, result)
-        state = alg.aggregate(state, ctx, spec, result, assign)
-    metrics = alg.evaluate(state, ctx) if should_evaluate(prep.cfg, round) else None
-    return finish_round(prep, state, clients, metrics, dropped, time.perf_counter() - t0, result)
+    """One plain round (no orchestrator); runs the pre-federation step first if it is due."""
+    if needs_pre_federation(prep, state):
+        state = pre_federation_stage(prep, state)
+    return drive_round(prep, state, round)
 
 
 def run_rounds(prep: PreparedRun, state: Optional[ServerState] = None, until: Optional[int] = None,
                on_round: Optional[Callable[[ServerState, dict], None]] = None) -> ServerState:
-    state = state or prep.algorithm.init_state(prep.ctx)
-    for r in range(state.round, until if until is not None else prep.cfg.train.rounds):
-        state, row = run_round(prep, state, r)
-        if on_round:
-            on_round(state, row)
-    return state
+    return drive(prep, state, PLAIN, until, on_round=on_round)
 
 
 def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, Any]:
@@ -194,7 +342,9 @@ def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, An
 def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
     """Final metrics, the median round time leaving out the first round, and time to target."""
     last = state.history[-1] if state.history else {}
-    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "ari", "nmi", "num_clusters", "min_dist", "sim_time")
+    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_finetuned", "accuracy_finetuned_min",
+            "accuracy_finetuned_p10", "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10",
+            "unseen_accuracy_untuned", "ari", "nmi", "num_clusters", "min_dist", "sim_time")
     metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
     times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
     return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan"),

@@ -54,8 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument("--tracking-uri")
 
-    lst = sub.add_parser("list", help="experiments in params.yaml and the registered algorithms")
+    lst = sub.add_parser("list", help="experiments in params.yaml and the registered algorithms; "
+                                      "flock list ALGORITHM shows its paper, hyper-parameters and stages")
+    lst.add_argument("algorithm", nargs="?", metavar="ALGORITHM")
     lst.add_argument("--params", default="params.yaml")
+    lst.add_argument("--json", action="store_true")
+    lst.add_argument("--markdown", action="store_true", help="the algorithm table of README.md")
     return p
 
 
@@ -198,8 +202,13 @@ def cmd_ui(args) -> None:
 
 
 def cmd_list(args) -> dict:
-    from flockfl.algorithms import ALGORITHMS
+    from flockfl.algorithms import ALGORITHMS, describe
     from flockfl.config import DATASETS, MODELS, SCHEMES, load_params
+
+    if args.algorithm:
+        if args.algorithm not in ALGORITHMS:
+            raise UserError(f"unknown algorithm {args.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
+        return describe(args.algorithm)
 
     params = load_params(args.params)
     return {
@@ -236,6 +245,16 @@ def _print_summary(s: dict) -> None:
     print(f"Browse it: flock ui --tracking-uri {s.get('tracking_uri')}  (then open http://127.0.0.1:5000)")
 
 
+def _print_algorithm(d: dict) -> None:
+    print(f"{d['name']}: {d['paper']}")
+    print(f"stages it overrides: {', '.join(d['stages']) or 'none (FedAvg)'}")
+    print("hyper-parameters:")
+    rows = [(h["key"], repr(h["default"]), h["allowed"], h["symbol"], h["meaning"]) for h in d["hyperparameters"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else []
+    for r in rows:
+        print("  " + "  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_environment(verbose=args.verbose)
@@ -260,9 +279,19 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "ui":
             cmd_ui(args)
         elif args.command == "list":
+            if args.markdown:
+                from flockfl.algorithms import algorithm_table
+
+                print(algorithm_table())
+                return 0
             out = cmd_list(args)
-            for k, v in out.items():
-                print(f"{k}: {', '.join(v) if v else '(none)'}")
+            if args.json:
+                print(json.dumps(out, default=str))
+            elif args.algorithm:
+                _print_algorithm(out)
+            else:
+                for k, v in out.items():
+                    print(f"{k}: {', '.join(v) if v else '(none)'}")
     except (ConfigError, CheckpointError, UserError) as err:
         print(f"flock: error: {err}", file=sys.stderr)
         return EXIT_USAGE

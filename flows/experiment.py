@@ -24,7 +24,6 @@ import tasks
 from flockfl import rounds
 from flockfl.config import ExperimentConfig, validate
 from flockfl.engine import TrainResult
-from flockfl.faults import maybe_crash
 from flockfl.state import ServerState
 from tasks.tracking import Tracker
 
@@ -85,6 +84,21 @@ def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri:
     return tracker
 
 
+def task_stages() -> rounds.Stages:
+    """The round's stages as Prefect tasks: the same functions the plain loop calls.
+
+    In-memory values cross task boundaries wrapped in ``quote``: Prefect then skips walking
+    them for futures (that traversal of states and histories cost ~10 ms per task)."""
+    return rounds.Stages(
+        pre_federation=lambda prep, state: tasks.pre_federation(Q(prep), Q(state)),
+        select=lambda prep, state, r: tasks.select(Q(prep), Q(state), r),
+        train=_train,
+        cluster=lambda prep, state, spec, result: tasks.cluster(Q(prep), Q(state), Q(spec), Q(result)),
+        aggregate=lambda prep, state, spec, result, assign, r: tasks.aggregate(Q(prep), Q(state), Q(spec), Q(result), Q(assign), r),
+        evaluate=lambda prep, state, r: tasks.evaluate(Q(prep), Q(state), r),
+    )
+
+
 def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optional[TrainResult], list[int]]:
     cfg = prep.cfg.train
     shards = rounds.split_spec(spec, cfg.shard_size)
@@ -118,9 +132,17 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
     if cfg.tracking.plots and state.history:
         files.append(plots.accuracy_curves(state.history, plot_dir / "accuracy_curves.png"))
         files.append(plots.assignment_heatmap(state.assignment_history, prep.ctx.data.group, plot_dir / "cluster_assignments.png"))
+        # client × client matrices an algorithm keeps (PACFL's proximity, FLIS's similarity); rows
+        # follow state.algo["matrix_clients"] when the matrix covers only some clients
+        rows = state.algo.get("matrix_clients")
+        groups = prep.ctx.data.group[rows.numpy()] if rows is not None else prep.ctx.data.group
+        for name, m in (state.algo.get("matrices") or {}).items():
+            files.append(plots.matrix_heatmap(m.numpy(), groups, name, plot_dir / f"{name}.png"))
     if tracker:
         for f in files:
             tracker.log_artifact(f, "plots")
+        if "newcomers" in state.meta:
+            tracker.log_dict(state.meta["newcomers"], "newcomers.json")
         ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
         if ckpts:
             tracker.log_artifact(ckpts[-1], "checkpoint")
@@ -140,8 +162,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                     parent_run_id: Optional[str] = None) -> dict:
     """Run (or continue) one experiment; returns the summary that ``flock run --json`` prints.
 
-    In-memory values cross task boundaries wrapped in ``quote``: Prefect then skips walking
-    them for futures (that traversal of states and histories cost ~10 ms per task).
+    The rounds are :func:`flockfl.rounds.drive` with task-wrapped stages (:func:`task_stages`);
+    each round is then checkpointed and logged.
     """
     t_start = time.perf_counter()
     cfg = validate(config)
@@ -154,30 +176,29 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     if tracker and logged < state.round:  # a resumed run: log the rounds the crash kept from MLflow
         tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > logged])
     bar = Progress(cfg.train.rounds, state.round, cfg.name, progress)
-    periods = []
+    periods, overhead = [], []
+    clock = {"t0": time.perf_counter(), "body0": tasks.BODY_SECONDS[0]}
+
+    def after_pre_federation(st: ServerState) -> None:
+        tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)  # resume never redoes it
+        if tracker:
+            tracker.log_pre_federation(st.meta["pre_federation"])
+        clock.update(t0=time.perf_counter(), body0=tasks.BODY_SECONDS[0])
+
+    def after_round(st: ServerState, row: dict) -> None:
+        tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
+        if tracker and row["round"] > logged:  # after a fallback to an older checkpoint, a
+            tasks.log_metrics(Q(tracker), Q([row]))  # recomputed round was logged already
+        bar.update(row)
+        now = time.perf_counter()
+        periods.append(now - clock["t0"])
+        # what the round cost beyond the task bodies: Prefect's task machinery plus the
+        # flow's own bookkeeping (engine lookup, history row, progress bar)
+        overhead.append(periods[-1] - (tasks.BODY_SECONDS[0] - clock["body0"]))
+        clock.update(t0=now, body0=tasks.BODY_SECONDS[0])
+
     try:
-        overhead = []
-        for r in range(state.round, cfg.train.rounds):
-            t0 = time.perf_counter()
-            body0 = tasks.BODY_SECONDS[0]
-            spec = tasks.select(Q(prep), Q(state), r)
-            engine = rounds.pick_engine(prep, state, spec)
-            result, dropped = _train(prep, spec, engine, r)
-            maybe_crash("train", r)
-            if result is not None:
-                kept = rounds.restrict_spec(spec, result.clients)
-                assign = tasks.cluster(Q(prep), Q(state), Q(kept), Q(result))
-                state = tasks.aggregate(Q(prep), Q(state), Q(kept), Q(result), Q(assign), r)
-            metrics = tasks.evaluate(Q(prep), Q(state), r) if rounds.should_evaluate(cfg, r) else None
-            state, row = rounds.finish_round(prep, state, spec.clients, metrics, dropped, time.perf_counter() - t0, result)
-            tasks.checkpoint(Q(state), run_dir, cfg.train.checkpoints_to_keep)
-            if tracker and row["round"] > logged:  # after a fallback to an older checkpoint, a
-                tasks.log_metrics(Q(tracker), Q([row]))  # recomputed round was logged already
-            bar.update(row)
-            periods.append(time.perf_counter() - t0)
-            # what the round cost beyond the task bodies: Prefect's task machinery plus the
-            # flow's own bookkeeping (engine lookup, history row, progress bar)
-            overhead.append(periods[-1] - (tasks.BODY_SECONDS[0] - body0))
+        state = rounds.drive(prep, state, task_stages(), on_pre_federation=after_pre_federation, on_round=after_round)
         bar.close()
         info = read_run_file(run_path)
         # a resume of a run that had already finished must not register its models again
@@ -215,6 +236,11 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "partition_cached": prep.partition_cached,
         "checkpoint_warnings": warnings,
         "clients_dropped": int(sum(h.get("clients_dropped", 0) for h in state.history)),
+        # every byte sent: the rounds' transfers plus the one-shot pre-federation upload/download
+        "bytes_total": int(sum(h.get("bytes_total", 0) for h in state.history)
+                           + sum(v for k, v in state.meta.get("pre_federation", {}).items() if k.startswith("bytes"))),
+        **({"pre_federation": state.meta["pre_federation"]} if "pre_federation" in state.meta else {}),
+        **({"newcomers": state.meta["newcomers"]} if "newcomers" in state.meta else {}),
         **extra,
     }
 

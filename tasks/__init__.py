@@ -58,15 +58,18 @@ def restore(prep: rounds.PreparedRun, run_dir: str) -> tuple[ServerState, list[s
     return state, warnings
 
 
+@task(name="pre_federation", **_quiet)
+@timed
+def pre_federation(prep: rounds.PreparedRun, state: ServerState) -> ServerState:
+    """The algorithm's one-shot step before round 0 (signatures, one-shot clustering)."""
+    return rounds.pre_federation_stage(prep, state)
+
+
 @task(name="select", **_quiet)
 @timed
 def select(prep: rounds.PreparedRun, state: ServerState, round: int) -> LocalSpec:
     """Choose the cohort and how each client trains (``select`` + ``local_spec`` hooks)."""
-    alg = prep.algorithm
-    clients = alg.select(state, prep.ctx, round)
-    spec = alg.local_spec(state, prep.ctx, clients, round)
-    maybe_crash("select", round)
-    return spec
+    return rounds.select_stage(prep, state, round)
 
 
 @task(name="train_shard", **_quiet)
@@ -84,24 +87,20 @@ def isolate_failures(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, rou
 @task(name="cluster", **_quiet)
 @timed
 def cluster(prep: rounds.PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult) -> np.ndarray:
-    return prep.algorithm.cluster(state, prep.ctx, spec, result)
+    return rounds.cluster_stage(prep, state, spec, result)
 
 
 @task(name="aggregate", **_quiet)
 @timed
 def aggregate(prep: rounds.PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult,
               assign: np.ndarray, round: int) -> ServerState:
-    new = prep.algorithm.aggregate(state, prep.ctx, spec, result, assign)
-    maybe_crash("aggregate", round)
-    return new
+    return rounds.aggregate_stage(prep, state, spec, result, assign, round)
 
 
 @task(name="evaluate", **_quiet)
 @timed
 def evaluate(prep: rounds.PreparedRun, state: ServerState, round: int) -> dict[str, Any]:
-    metrics = prep.algorithm.evaluate(state, prep.ctx)
-    maybe_crash("evaluate", round)
-    return metrics
+    return rounds.evaluate_stage(prep, state, round)
 
 
 @task(name="checkpoint", **_quiet)

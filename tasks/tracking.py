@@ -85,6 +85,16 @@ class Tracker:
         for a in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[a : a + 1000])
 
+    def log_pre_federation(self, cost: dict[str, Any]) -> None:
+        """The one-shot pre-federation step's cost, at step 0."""
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(f"pre_federation_{k}", float(v), ts, 0) for k, v in cost.items()])
+
+    def log_dict(self, obj: dict, name: str) -> None:
+        self.client.log_dict(self.run_id, obj, name)
+
     def log_artifact(self, path: Path, subdir: Optional[str] = None) -> None:
         self.client.log_artifact(self.run_id, str(path), subdir)
 

@@ -32,10 +32,10 @@ BAD = [
     (["resume", "/nonexistent/run"], "neither a run directory"),
     (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedprox", "--set", "algorithm.mu=-1"], "algorithm.mu"),
     (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedadam", "--set", "algorithm.beta2=1.5"], "algorithm.beta2"),
-    (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedavgm", "--set", "algorithm.momentum=1"], "less than 1"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedavgm", "--set", "algorithm.momentum=1"], "allowed: 0 ≤ x < 1"),
     (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedyogi", "--set", "algorithm.tau=0"], "algorithm.tau"),
-    (["run", "ifca_rotated_digits", "--set", "algorithm.name=scaffold", "--set", "algorithm.option=III"], "allowed: II, I"),
-    (["run", "ifca_rotated_digits", "--set", "algorithm.option=II"], "not an option of ifca"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=scaffold", "--set", "algorithm.option=III"], "allowed: one of II, I"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.option=II"], "not allowed for ifca; allowed: one of model, gradient"),
 ]
 
 
@@ -82,3 +82,43 @@ def test_partition_command_writes_npz_and_summary(in_workdir, capsys):
     assert (in_workdir / "data/partitions/rotated_digits.npz").exists()
     assert main(["partition", "rotated_digits", "--json"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cached"]
+
+
+def test_switching_algorithm_drops_foreign_keys_with_a_notice(in_workdir, capsys):
+    """--set algorithm.name=X on a config written for Y (the IFCA config's own header suggests
+    it): Y's keys that X does not take are dropped with a one-line notice, not an error."""
+    from flockfl.config import load_experiment
+
+    cfg = load_experiment("ifca_rotated_digits", ["algorithm.name=fedprox", "algorithm.mu=0.5"])
+    err = capsys.readouterr().err
+    assert cfg.algorithm.name == "fedprox" and cfg.algorithm.mu == 0.5
+    assert cfg.algorithm.hyper() == {"weighting": "samples", "mu": 0.5}
+    assert err.count("\n") == 1 and "dropped algorithm.init, algorithm.k" in err
+
+
+def test_a_regression_npz_with_the_linear_model_runs_and_natural_clients_come_from_the_file(tmp_path):
+    """Review fixes: the data decides regression vs classification (float labels are regression),
+    and with scheme=natural the number of clients comes from the file."""
+    import numpy as np
+
+    from flockfl.config import ConfigError, validate
+    from flockfl.rounds import prepare, run_rounds
+
+    rng = np.random.default_rng(0)
+    x, xt = rng.normal(size=(60, 3)).astype(np.float32), rng.normal(size=(30, 3)).astype(np.float32)
+    w = np.array([1.0, -2.0, 0.5], np.float32)
+    path = tmp_path / "reg.npz"
+    np.savez(path, x_train=x, y_train=x @ w, x_test=xt, y_test=xt @ w,
+             client_train=np.repeat(np.arange(6), 10), client_test=np.repeat(np.arange(6), 5))
+    raw = {"dataset": {"name": "npz", "path": str(path)}, "partition": {"scheme": "natural"},
+           "model": {"name": "linear"}, "train": {"rounds": 2, "clients_per_round": 3, "lr": 0.05},
+           "tracking": {"enabled": False}}
+    cfg = validate(raw)
+    assert cfg.partition.num_clients is None
+    prep = prepare(cfg, tmp_path / "parts")
+    assert prep.ctx.num_clients == 6 and prep.ctx.data.task == "regression"
+    assert np.isfinite(run_rounds(prep).history[-1]["loss"])
+    with pytest.raises(ConfigError, match="model.name: 'mlp' is a classifier; dataset 'npz' has float labels"):
+        prepare(validate({**raw, "model": {"name": "mlp"}}), tmp_path / "parts")
+    with pytest.raises(ConfigError, match="train.clients_per_round: 8 exceeds the 6 clients"):
+        prepare(validate({**raw, "train": {"clients_per_round": 8}}), tmp_path / "parts")

@@ -189,7 +189,7 @@ def test_compare_benchmark_nests_one_run_per_algorithm(project):
     from conftest import ROOT, flock_env
 
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/compare.py"), "--base", "e2e.yaml",
-                          "--algorithms", "fedavg", "scaffold", "--set", "train.rounds=2", "--set", "algorithm.k=1",
+                          "--algorithms", "fedavg", "scaffold", "--set", "train.rounds=2",
                           "--target", "0.05", "--tracking-uri", uri(project), "--params", str(project / "none.yaml")],
                          cwd=project, env=flock_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-2000:]

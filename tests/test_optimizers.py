@@ -246,9 +246,9 @@ def test_fedavgm_heavy_ball_and_ema_forms():
                                   {"name": "fedsplit", "s": 0.5}, {"name": "fedeff"},
                                   {"name": "ccfl", "server_opt": "ams", "availability": 0.6}])
 def test_stateful_algorithms_resume_bit_identically(tmp_path, algo):
-    train = {"rounds": 4, "local_work": "uniform_random", "local_epochs": 3}
+    train = {"rounds": 4, "local_work": "uniform_random", "local_epochs": 3, "engine": "vectorized"}
     if algo["name"] == "ccfl":
-        train = {"rounds": 4, "local_steps": 3}
+        train = {"rounds": 4, "local_steps": 3, "engine": "vectorized"}
     cfg = validate(tiny_config(algorithm=algo, train=train))
     full = run_rounds(prepare(cfg, tmp_path))
     half = run_rounds(prepare(cfg, tmp_path), until=2)

@@ -9,13 +9,19 @@ from flockfl.algorithms.fednova import FedNova
 from flockfl.algorithms.fedopt import FedAdagrad, FedAdam, FedYogi
 from flockfl.algorithms.fedprox import FedProx
 from flockfl.algorithms.fedsgd import FedSGD
+from flockfl.algorithms.fedsc import FedSC
 from flockfl.algorithms.fedsplit import FedSplit
+from flockfl.algorithms.flis import FLISDC, FLISHC
 from flockfl.algorithms.ifca import IFCA
+from flockfl.algorithms.local import Local
+from flockfl.algorithms.pacfl import PACFL
+from flockfl.algorithms.hyper import declared
 from flockfl.algorithms.scaffold import Scaffold
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff, CCFL)
+    for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff,
+                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local)
 }
 
 
@@ -23,4 +29,30 @@ def build_algorithm(cfg) -> Algorithm:
     return ALGORITHMS[cfg.algorithm.name](cfg)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "RunContext", "build_algorithm"]
+HOOKS = ("pre_federation", "select", "model_of", "local_spec", "cluster", "aggregate", "eval_assignment", "evaluate", "admit_newcomers")
+
+
+def overridden_stages(cls: type[Algorithm]) -> list[str]:
+    """The hooks this algorithm defines itself (anywhere below the FedAvg base)."""
+    return [h for h in HOOKS if getattr(cls, h) is not getattr(Algorithm, h)]
+
+
+def describe(name: str) -> dict:
+    """What ``flock list ALGORITHM`` shows: the paper, the hyper-parameters and the stages."""
+    cls = ALGORITHMS[name]
+    return {"name": name, "paper": cls.paper, "stages": overridden_stages(cls),
+            "hyperparameters": [{"key": f"algorithm.{h.name}", "default": h.default, "allowed": h.allowed(),
+                                 "symbol": h.symbol, "meaning": h.meaning} for h in declared(cls).values()]}
+
+
+def algorithm_table() -> str:
+    """README's algorithm table, generated from the declarations (a test keeps README in step)."""
+    lines = ["| name | paper | hyper-parameters (default) | stages it overrides |", "|---|---|---|---|"]
+    for name in ALGORITHMS:
+        d = describe(name)
+        keys = ", ".join(f"`{h['key'].split('.', 1)[1]}` ({h['default']})" for h in d["hyperparameters"])
+        lines.append(f"| `{name}` | {d['paper']} | {keys} | {', '.join(d['stages']) or '– (FedAvg)'} |")
+    return "\n".join(lines)
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "RunContext", "algorithm_table", "build_algorithm", "describe"]

@@ -25,9 +25,10 @@ from torch import nn
 
 from flockfl.config import ExperimentConfig
 from flockfl.data.clients import ClientData
-from flockfl.engine.functional import losses_under_models, num_params, segment_mean, stack
+from flockfl.engine.functional import index_params, losses_under_models, num_params, segment_mean, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
+from flockfl.algorithms.hyper import Hyper, declared, weighting
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
 from flockfl.system import SystemProfile, make_profile
@@ -43,10 +44,15 @@ class RunContext:
     data: ClientData
     truth: dict = field(default_factory=dict)  # ground truth known to the generator (e.g. θ*)
     system: Optional[SystemProfile] = None  # simulated client speeds; drawn from cfg.system if not given
+    # clients that federate, and the newcomers (partition.unseen_fraction) that join afterwards
+    seen: np.ndarray = field(init=False)
+    unseen: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         if self.system is None:
             self.system = make_profile(self.cfg.system, self.cfg.seed, self.data.num_clients)
+        self.unseen = unseen_clients(self.data.num_clients, self.cfg.partition.unseen_fraction, self.cfg.seed)
+        self.seen = np.setdiff1d(np.arange(self.data.num_clients), self.unseen)
 
     @property
     def seed(self) -> int:
@@ -57,32 +63,37 @@ class RunContext:
         return self.data.num_clients
 
 
+def unseen_clients(n: int, fraction: float, seed: int) -> np.ndarray:
+    """round(fraction·n) clients, drawn from the (seed, "unseen") stream, that never train."""
+    count = int(round(fraction * n))
+    if count == 0:
+        return np.zeros(0, np.int64)
+    return np.sort(np_rng(seed, purpose="unseen").choice(n, size=count, replace=False)).astype(np.int64)
+
+
 class Algorithm:
     """FedAvg (McMahan et al., arXiv 1602.05629): E local epochs of SGD, sample-weighted mean."""
 
     name = "fedavg"
-    default_weighting = "samples"
-    options: tuple[str, ...] = ()  # allowed algorithm.option values; the first is the default
-    # the algorithm.* hyper-parameters this algorithm reads, with their defaults
-    hyper: dict[str, Any] = {}
+    paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, arXiv 1602.05629"
+    # the algorithm.* keys this class reads (a subclass adds or redeclares; see hyper.py)
+    hyperparameters: tuple[Hyper, ...] = (weighting("samples"),)
 
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
-        self.weighting = cfg.algorithm.weighting or self.default_weighting
-        self.option = cfg.algorithm.option or (self.options[0] if self.options else None)
+        self.weighting = self.hp("weighting")
+        self.option = self.hp("option") if "option" in declared(type(self)) else None
 
     @classmethod
     def check_config(cls, cfg: ExperimentConfig) -> None:
-        """Raise ValueError (one line) for settings this algorithm cannot honour."""
-        a = cfg.algorithm
-        if a.option is not None and a.option not in cls.options:
-            allowed = ", ".join(cls.options) if cls.options else "none (leave it unset)"
-            raise ValueError(f"algorithm.option: {a.option!r} is not an option of {cls.name}; allowed: {allowed}")
+        """Raise ValueError (one line) for settings that are valid alone but not together.
+
+        Each hyper-parameter's own range is declared in ``hyperparameters`` and checked
+        before this is called."""
 
     def hp(self, key: str) -> Any:
-        """A hyper-parameter: the configured value, else this algorithm's default."""
-        value = getattr(self.cfg.algorithm, key)
-        return self.hyper[key] if value is None else value
+        """A hyper-parameter's value (the configured one, or its declared default)."""
+        return getattr(self.cfg.algorithm, key)
 
     # ------------------------------------------------------------------ state
     @property
@@ -103,19 +114,41 @@ class Algorithm:
         )
 
     # ------------------------------------------------------------------ hooks
+    def pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
+        """A one-shot step before round 0 (PACFL's signatures, FLIS-HC's clustering, ...).
+
+        Runs once, as its own task; its result lives in the returned state (so a resumed run
+        never redoes it). Put its communication in ``state.meta['pre_federation_bytes']`` as
+        ``{"up": .., "down": ..}``. The default does nothing."""
+        return state
+
+    @classmethod
+    def has_pre_federation(cls) -> bool:
+        return cls.pre_federation is not Algorithm.pre_federation
+
     def select(self, state: ServerState, ctx: RunContext, round: int) -> np.ndarray:
-        """K clients uniformly without replacement from the (seed, round, 'select') stream."""
-        k = min(self.cfg.train.clients_per_round, ctx.num_clients)
+        """K clients uniformly without replacement from the (seed, round, 'select') stream
+        (newcomers, ``ctx.unseen``, never take part)."""
+        k = min(self.cfg.train.clients_per_round, len(ctx.seen))
         rng = np_rng(ctx.seed, round, purpose="select")
-        return np.sort(rng.choice(ctx.num_clients, size=k, replace=False))
+        if len(ctx.unseen) == 0:  # the draw every run made before newcomers existed
+            return np.sort(rng.choice(ctx.num_clients, size=k, replace=False))
+        return np.sort(ctx.seen[rng.choice(len(ctx.seen), size=k, replace=False)])
+
+    def model_of(self, state: ServerState, ctx: RunContext, clients: np.ndarray) -> np.ndarray:
+        """The model each listed client trains this round (model 0 by default; a clustered
+        method's cluster of the client)."""
+        return np.zeros(len(clients), np.int64)
 
     def local_spec(self, state: ServerState, ctx: RunContext, clients: np.ndarray, round: int) -> LocalSpec:
         t = self.cfg.train
-        # every client starts from model 0: a broadcast view, materialised once by the trainer
-        init = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
+        which = self.model_of(state, ctx, clients)
+        if state.k == 1:  # every client starts from model 0: a broadcast view, materialised once by the trainer
+            init = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
+        else:
+            init = index_params(state.models, torch.from_numpy(which))
         return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
-                         meta={"model_of_client": np.zeros(len(clients), np.int64)},
-                         client_epochs=self.local_work(ctx, clients, round))
+                         meta={"model_of_client": which}, client_epochs=self.local_work(ctx, clients, round))
 
     def local_work(self, ctx: RunContext, clients: np.ndarray, round: int) -> np.ndarray | None:
         """Per-client epochs when ``train.local_work=uniform_random`` (E_i ~ U{1..E})."""
@@ -171,7 +204,26 @@ class Algorithm:
         return np.zeros(ctx.num_clients, np.int64)
 
     def evaluate(self, state: ServerState, ctx: RunContext) -> dict[str, Any]:
-        return evaluate_models(state.models, self.eval_assignment(state, ctx), ctx)
+        """Per-client metrics of the clients that federate, each with its own model."""
+        return evaluate_models(state.models, self.eval_assignment(state, ctx), ctx, ctx.seen)
+
+    def admit_newcomers(self, state: ServerState, ctx: RunContext, newcomers: np.ndarray
+                        ) -> tuple[ServerState, np.ndarray, str]:
+        """After federation, clients that never trained join: (state, the model index of each
+        newcomer, the rule in words). FedAvg gives them the global model."""
+        return state, self.eval_assignment(state, ctx)[newcomers], "the global model"
+
+    def finetune(self, state: ServerState, ctx: RunContext, clients: np.ndarray, assign: np.ndarray, round: int,
+                 engine: str, stream: str) -> TrainResult:
+        """``train.finetune_epochs`` epochs of plain local SGD for each listed client, from
+        the model it is assigned (the thesis's "after its last local training" convention)."""
+        from flockfl.engine import TRAINERS
+
+        t = self.cfg.train
+        epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
+        init = index_params(state.models, torch.from_numpy(np.asarray(assign, np.int64)))
+        spec = LocalSpec(np.asarray(clients, np.int64), init, t.lr, epochs, None, t.batch_size, t.full_batch, stream=stream)
+        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
 
     # ------------------------------------------------------------------ accounting
     def sim_round_time(self, state: ServerState, ctx: RunContext, clients: np.ndarray, steps: np.ndarray) -> float:
@@ -179,9 +231,13 @@ class Algorithm:
         down, up = self.comm_bytes(state, clients[:1])  # one client's bytes each way
         return ctx.system.round_time(clients, steps, down / 1e6, up / 1e6)
 
+    def model_bytes(self, state: ServerState) -> int:
+        """Bytes of one model."""
+        return num_params(state.models) * state.models[next(iter(state.models))].element_size()
+
     def comm_bytes(self, state: ServerState, clients: np.ndarray) -> tuple[int, int]:
         """(down, up) bytes of one round: every selected client receives and returns one model."""
-        per_model = num_params(state.models) * state.models[next(iter(state.models))].element_size()
+        per_model = self.model_bytes(state)
         return len(clients) * per_model, len(clients) * per_model
 
 
@@ -200,42 +256,77 @@ def client_model_losses(model: nn.Module, models: dict[str, torch.Tensor], split
     return mean_loss.cpu(), mean_acc.cpu(), counts.cpu()
 
 
-def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: RunContext) -> dict[str, Any]:
-    """Per-client test metrics with each client's own model, and their summaries."""
+def summarise_clients(c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray, task: str, suffix: str = "") -> dict[str, float]:
+    """Sample-weighted mean loss (and accuracy, its minimum and 10th percentile) over clients."""
+    has = n > 0
+    w = n / max(n.sum(), 1)
+    out = {f"loss{suffix}": float((c_loss * w).sum())}
+    if task == "classification":
+        out[f"accuracy{suffix}"] = float((c_acc * w).sum())
+        out[f"accuracy{suffix}_min"] = float(c_acc[has].min()) if has.any() else float("nan")
+        out[f"accuracy{suffix}_p10"] = float(np.percentile(c_acc[has], 10)) if has.any() else float("nan")
+    return out
+
+
+def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: RunContext,
+                    clients: Optional[np.ndarray] = None) -> dict[str, Any]:
+    """Per-client test metrics with each client's own model, and their summaries.
+
+    ``assign`` gives the model of every client (all ``ctx.num_clients``); the metrics cover
+    ``clients`` (default: all). ``_assignment`` in the result covers every client."""
     from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
 
-    clients = np.arange(ctx.num_clients)
+    clients = np.arange(ctx.num_clients) if clients is None else np.asarray(clients, np.int64)
+    mine = assign[clients]
     loss, acc, n_test = client_model_losses(ctx.model, models, ctx.data.test, clients, ctx.data.task)
-    pick = torch.from_numpy(assign)
+    pick = torch.from_numpy(np.maximum(mine, 0))
     c_loss = loss[pick, torch.arange(len(clients))].numpy().astype(np.float64)
     c_acc = acc[pick, torch.arange(len(clients))].numpy().astype(np.float64)
     n = n_test.numpy()
     has = n > 0
-    w = n / max(n.sum(), 1)
-    out: dict[str, Any] = {"loss": float((c_loss * w).sum())}
-    if ctx.data.task == "classification":
-        out["accuracy"] = float((c_acc * w).sum())
-        out["accuracy_min"] = float(c_acc[has].min()) if has.any() else float("nan")
-        out["accuracy_p10"] = float(np.percentile(c_acc[has], 10)) if has.any() else float("nan")
+    out: dict[str, Any] = summarise_clients(c_loss, c_acc, n, ctx.data.task)
     k = next(iter(models.values())).shape[0]
     for j in range(k):
-        m = (assign == j) & has
-        out[f"cluster/{j}/clients"] = int((assign == j).sum())
+        m = (mine == j) & has
+        out[f"cluster/{j}/clients"] = int((mine == j).sum())
         if m.any():
             key = "accuracy" if ctx.data.task == "classification" else "loss"
             vals = c_acc if key == "accuracy" else c_loss
             out[f"cluster/{j}/{key}"] = float((vals[m] * n[m]).sum() / n[m].sum())
-    out["num_clusters"] = int(len(np.unique(assign)))
-    group = ctx.data.group
+    out["num_clusters"] = int(len(np.unique(mine)))
+    group = ctx.data.group[clients]
     if (group >= 0).all() and len(np.unique(group)) > 1:
-        out["ari"] = float(adjusted_rand_score(group, assign))
-        out["nmi"] = float(normalized_mutual_info_score(group, assign))
+        out["ari"] = float(adjusted_rand_score(group, mine))
+        out["nmi"] = float(normalized_mutual_info_score(group, mine))
     if "theta" in ctx.truth:
         out["min_dist"] = min_dist(models, ctx.truth["theta"])
     out["_client_accuracy"] = c_acc if ctx.data.task == "classification" else None
     out["_client_loss"] = c_loss
     out["_assignment"] = assign
     return out
+
+
+@torch.no_grad()
+def own_model_metrics(model: nn.Module, params: dict[str, torch.Tensor], split, clients: np.ndarray, task: str
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean loss and accuracy of every listed client under its own model (``params`` row i
+    belongs to ``clients[i]``): returns ([C] loss, [C] accuracy, [C] sample counts)."""
+    from torch.func import functional_call
+
+    from flockfl.engine.functional import correct, per_sample_loss
+
+    losses, accs, counts = [], [], []
+    for i, c in enumerate(clients):
+        x, y = split.client(int(c))
+        counts.append(len(y))
+        if len(y) == 0:
+            losses.append(0.0)
+            accs.append(0.0)
+            continue
+        out = functional_call(model, {k: v[i] for k, v in params.items()}, (x,))
+        losses.append(float(per_sample_loss(out, y, task).mean()))
+        accs.append(float(correct(out, y, task).mean()))
+    return np.array(losses), np.array(accs), np.array(counts)
 
 
 def min_dist(models: dict[str, torch.Tensor], theta: np.ndarray) -> float:

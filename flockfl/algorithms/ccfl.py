@@ -32,13 +32,25 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
 from flockfl.rng import np_rng
 
 
 class CCFL(Algorithm):
     name = "ccfl"
-    default_weighting = "uniform"
-    hyper = {"beta1": 0.9, "beta2": 0.99, "tau": 1e-3}
+    paper = "Sun, Wu, Huang, Zhang, Client-Centric Federated Adaptive Optimization, arXiv 2501.09946"
+    hyperparameters = (
+        weighting("uniform"),
+        choice("server_opt", "avg", ("avg", "adam", "adagrad", "ams"), "server rule"),
+        real("availability", 0.5, "probability that a client takes part in a round", "p", gt=0, le=1),
+        integer("max_delay", 2, "staleness bound: a client trains on x_{t−d}, d ≤ max_delay", "d_max", ge=0),
+        integer("participants", None, "the divisor m of Δ_t (null: availability·N)", "m", ge=1, optional=True),
+        Hyper("server_lr", None, "server learning rate (null: 1.0 for avg, 0.01 for the adaptive rules)", "η",
+              ge=None, gt=0, optional=True),
+        real("beta1", 0.9, "first-moment decay", "β", ge=0, lt=1),
+        real("beta2", 0.99, "second-moment decay", "γ", gt=0, lt=1),
+        real("tau", 1e-3, "adaptivity ε; second moments start at ε²", "ε", gt=0),
+    )
 
     @classmethod
     def check_config(cls, cfg):
@@ -51,10 +63,9 @@ class CCFL(Algorithm):
             return 1.0 if self.cfg.algorithm.server_opt == "avg" else 0.01
         return super().hp(key)
 
-    @property
-    def participants(self) -> float:
+    def participants(self, ctx) -> float:
         a = self.cfg.algorithm
-        return float(a.participants or max(1.0, a.availability * self.cfg.partition.num_clients))
+        return float(a.participants or max(1.0, a.availability * len(ctx.seen)))
 
     def init_state(self, ctx):
         state = super().init_state(ctx)
@@ -63,7 +74,7 @@ class CCFL(Algorithm):
 
     def select(self, state, ctx, round):
         p = self.cfg.algorithm.availability
-        return np.array([c for c in range(ctx.num_clients) if np_rng(ctx.seed, round, c, "availability").random() < p],
+        return np.array([c for c in ctx.seen if np_rng(ctx.seed, round, c, "availability").random() < p],
                         dtype=np.int64)
 
     def delays(self, ctx, clients, round) -> np.ndarray:
@@ -88,7 +99,7 @@ class CCFL(Algorithm):
         for k, v in state.models.items():
             x = v[0]
             shape = (-1,) + (1,) * x.dim()
-            delta = ((spec.init[k] - result.params[k]) / k_steps.reshape(shape)).sum(0) / self.participants
+            delta = ((spec.init[k] - result.params[k]) / k_steps.reshape(shape)).sum(0) / self.participants(ctx)
             if a.server_opt == "avg":
                 models[k] = (x - eta * delta).unsqueeze(0)
                 continue

@@ -13,11 +13,17 @@ Server momentum on the sample-weighted pseudo-gradient Δ̄_t = Σ p̃_i (x_t �
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import choice, real
 
 
 class FedAvgM(Algorithm):
     name = "fedavgm"
-    hyper = {"momentum": 0.9, "server_lr": 1.0}
+    paper = "Hsu, Qi, Brown, Measuring the Effects of Non-Identical Data Distribution, arXiv 1909.06335"
+    hyperparameters = (
+        real("momentum", 0.9, "server momentum", "β", ge=0, lt=1),
+        real("server_lr", 1.0, "server learning rate", "η_s", gt=0),
+        choice("momentum_style", "heavy_ball", ("heavy_ball", "ema"), "v = βv + Δ (heavy_ball) or m = (1−β)Δ + βm (ema)"),
+    )
 
     def aggregate(self, state, ctx, spec, result, assign):
         beta, lr = float(self.hp("momentum")), float(self.hp("server_lr"))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import choice, real
 from flockfl.engine.functional import num_params
 
 
@@ -37,7 +38,8 @@ def fedeff_epochs(sigma, beta, delta, base_epochs: float, edf: float, min_epochs
 
 class FedEff(Algorithm):
     name = "fedeff"
-    hyper = {"edf": 0.5}
+    paper = "FedEff: per-client local epochs that fill an estimated round time (seed 000)"
+    hyperparameters = (real("edf", 0.5, "epoch-deciding factor: ERT is set by edf·E_b epochs of the mean client", "τ", gt=0, le=1),)
 
     def init_state(self, ctx):
         state = super().init_state(ctx)

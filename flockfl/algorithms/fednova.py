@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import real
 
 
 def a_norm(tau: np.ndarray, momentum: float = 0.0, alpha: float = 0.0) -> np.ndarray:
@@ -35,12 +36,16 @@ def a_norm(tau: np.ndarray, momentum: float = 0.0, alpha: float = 0.0) -> np.nda
 
 class FedNova(Algorithm):
     name = "fednova"
-    hyper = {"momentum": 0.0, "mu": 0.0}
+    paper = "Wang et al., Tackling the Objective Inconsistency Problem in Heterogeneous Federated Optimization, arXiv 2007.07481"
+    hyperparameters = (
+        real("momentum", 0.0, "local heavy-ball momentum (normalised by its ‖a_i‖₁)", "ρ", ge=0, lt=1),
+        real("mu", 0.0, "local proximal weight (normalised by its ‖a_i‖₁)", "μ", ge=0),
+    )
 
     @classmethod
     def check_config(cls, cfg):
         super().check_config(cfg)
-        if (cfg.algorithm.momentum or 0) > 0 and (cfg.algorithm.mu or 0) > 0:
+        if cfg.algorithm.momentum > 0 and cfg.algorithm.mu > 0:
             raise ValueError("algorithm.momentum and algorithm.mu: FedNova normalises one local optimiser; set only one of them")
 
     def local_spec(self, state, ctx, clients, round):

@@ -20,13 +20,20 @@ from __future__ import annotations
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import real, weighting
 
 
 class FedOpt(Algorithm):
     """The shared server step; subclasses give the second-moment rule."""
 
-    default_weighting = "uniform"
-    hyper = {"server_lr": 0.01, "beta1": 0.9, "beta2": 0.99, "tau": 1e-3}
+    paper = "Reddi et al., Adaptive Federated Optimization, arXiv 2003.00295"
+    hyperparameters = (
+        weighting("uniform"),
+        real("server_lr", 0.01, "server learning rate", "η", gt=0),
+        real("beta1", 0.9, "first-moment decay", "β₁", ge=0, lt=1),
+        real("beta2", 0.99, "second-moment decay (FedAdam, FedYogi)", "β₂", gt=0, lt=1),
+        real("tau", 1e-3, "adaptivity; v₋₁ = τ²", "τ", gt=0),
+    )
 
     def second_moment(self, v: torch.Tensor, d2: torch.Tensor, beta2: float) -> torch.Tensor:
         raise NotImplementedError
@@ -45,7 +52,7 @@ class FedOpt(Algorithm):
 
 class FedAdagrad(FedOpt):
     name = "fedadagrad"
-    hyper = {**FedOpt.hyper, "server_lr": 0.1}
+    hyperparameters = (real("server_lr", 0.1, "server learning rate", "η", gt=0),)
 
     def second_moment(self, v, d2, beta2):
         return v + d2

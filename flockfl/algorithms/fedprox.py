@@ -8,11 +8,13 @@ sample-weighted mean. ``algorithm.mu`` (μ ≥ 0, default 0.01; the paper tunes 
 """
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import real
 
 
 class FedProx(Algorithm):
     name = "fedprox"
-    hyper = {"mu": 0.01}
+    paper = "Li et al., Federated Optimization in Heterogeneous Networks, arXiv 1812.06127"
+    hyperparameters = (real("mu", 0.01, "weight of the proximal term (μ/2)‖w − w_t‖²", "μ", ge=0),)
 
     def local_spec(self, state, ctx, clients, round):
         spec = super().local_spec(state, ctx, clients, round)

@@ -12,6 +12,7 @@ from flockfl.engine.schedule import LocalSpec
 
 class FedSGD(Algorithm):
     name = "fedsgd"
+    paper = "McMahan et al. (FedSGD baseline), arXiv 1602.05629"
 
     def local_spec(self, state, ctx, clients, round) -> LocalSpec:
         spec = super().local_spec(state, ctx, clients, round)

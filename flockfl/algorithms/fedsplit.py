@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import choice, real
 
 
 def exact_lsq_prox(model, spec, data, task) -> dict[str, torch.Tensor]:
@@ -45,7 +46,11 @@ def exact_lsq_prox(model, spec, data, task) -> dict[str, torch.Tensor]:
 
 class FedSplit(Algorithm):
     name = "fedsplit"
-    hyper = {"s": 0.1}
+    paper = "Pathak, Wainwright, FedSplit: an algorithmic framework for fast federated optimization, arXiv 2005.05238"
+    hyperparameters = (
+        real("s", 0.1, "prox step size", "s", gt=0),
+        choice("prox", "gd", ("gd", "exact"), "prox solver: warm-started (S)GD, or exact (linear least squares only)"),
+    )
 
     @classmethod
     def check_config(cls, cfg):

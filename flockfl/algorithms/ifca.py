@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm, RunContext, client_model_losses
+from flockfl.algorithms.hyper import choice, integer, real, text, weighting
 from flockfl.config import ConfigError
 from flockfl.engine.functional import index_params, stack
 from flockfl.engine.schedule import LocalSpec
@@ -47,8 +48,21 @@ def assign_by_min_loss(losses: torch.Tensor) -> np.ndarray:
 
 class IFCA(Algorithm):
     name = "ifca"
-    default_weighting = "uniform"
-    options = ("model", "gradient")
+    paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088"
+    hyperparameters = (
+        weighting("uniform"),
+        integer("k", 2, "number of cluster models", "k", ge=1),
+        choice("option", "model", ("model", "gradient"), "II: average models per cluster (model); I: one gradient step (gradient)"),
+        choice("init", "random", ("random", "given", "balanced_restart"), "how the k models start"),
+        text("init_path", "init=given: a torch file of k stacked models"),
+        real("min_cluster_frac", 0.1, "balanced_restart: each model must win this share of round 0's cohort", ge=0, lt=1),
+        integer("max_tries", 10, "balanced_restart: draws before giving up", ge=1),
+    )
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.algorithm.init == "given" and not cfg.algorithm.init_path:
+            raise ValueError("algorithm.init_path: init=given needs a file of k stacked models; set algorithm.init_path")
 
     @property
     def num_models(self) -> int:
@@ -126,6 +140,10 @@ class IFCA(Algorithm):
 
     def eval_assignment(self, state: ServerState, ctx: RunContext) -> np.ndarray:
         return assign_by_min_loss(cluster_losses(state, ctx, np.arange(ctx.num_clients)))
+
+    def admit_newcomers(self, state, ctx, newcomers):
+        """A newcomer takes the model with the lowest loss on its training data."""
+        return state, assign_by_min_loss(cluster_losses(state, ctx, newcomers)), "lowest-loss model"
 
     def comm_bytes(self, state, clients):
         down, up = super().comm_bytes(state, clients)

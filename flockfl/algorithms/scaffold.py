@@ -19,15 +19,19 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import choice, real, weighting
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import train_cohort
 
 
 class Scaffold(Algorithm):
     name = "scaffold"
-    default_weighting = "uniform"
-    options = ("II", "I")
-    hyper = {"server_lr": 1.0}
+    paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, arXiv 1910.06378"
+    hyperparameters = (
+        weighting("uniform"),
+        choice("option", "II", ("II", "I"), "control-variate update: II (from the local steps) or I (a full gradient at x)"),
+        real("server_lr", 1.0, "server learning rate", "η_g", gt=0),
+    )
 
     def init_state(self, ctx):
         state = super().init_state(ctx)

@@ -73,3 +73,14 @@ def segment_mean(values: torch.Tensor, segment: torch.Tensor, num_segments: int)
     sums.index_add_(-1, segment, values)
     counts = torch.bincount(segment, minlength=num_segments).to(values.dtype)
     return sums / counts.clamp_min(1), counts
+
+
+@torch.no_grad()
+def stacked_outputs(model: nn.Module, models: dict[str, torch.Tensor], x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """The outputs of each of k stacked models on the same inputs: [k, N, outputs]."""
+    from flockfl.engine.dense import dense_forward, dense_layers
+
+    layers = dense_layers(model)
+    batched = ((lambda p, xc: dense_forward(p, layers, xc)) if layers is not None
+               else vmap(lambda p, xc: functional_call(model, p, (xc,)), in_dims=(0, None)))
+    return torch.cat([batched(models, x[a : a + chunk]) for a in range(0, len(x), chunk)], 1)

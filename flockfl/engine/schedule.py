@@ -39,6 +39,9 @@ class LocalSpec:
     # a closed-form local solver (FedSplit's exact prox): (model, spec, data, task) → stacked params;
     # when set, both trainers use it instead of SGD
     solver: Optional[Callable] = None
+    # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a
+    # round's training, another name for extra passes (evaluation fine-tuning, newcomers)
+    stream: str = "shuffle"
 
     @property
     def has_extras(self) -> bool:
@@ -71,7 +74,7 @@ def client_batches(n: int, spec: LocalSpec, rng: np.random.Generator, position: 
 
 
 def cohort_schedule(spec: LocalSpec, sizes: np.ndarray, seed: int, round: int) -> list[list[np.ndarray]]:
-    return [client_batches(int(sizes[c]), spec, np_rng(seed, round, int(c), "shuffle"), i)
+    return [client_batches(int(sizes[c]), spec, np_rng(seed, round, int(c), spec.stream), i)
             for i, c in enumerate(spec.clients)]
 
 

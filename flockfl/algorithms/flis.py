@@ -1,0 +1,206 @@
+"""FLIS — Morafah, Vahidian, Wang, Lin, "FLIS: Clustered Federated Learning via Inference
+Similarity for Non-IID Data Distribution", https://arxiv.org/abs/2208.09754 (thesis seed 001,
+§3.3, Algorithms 4–6; spec ``flis-pacfl-scniid.md`` §1; official code MMorafah/FLIS).
+
+The server holds a small dataset of its own (``algorithm.server_data_size`` samples, held out
+of every client's data: ``partition.server_holdout``). It runs each client model on it,
+B_k = one-hot argmax (``algorithm.outputs=onehot``, the code) or softmax outputs, and compares
+clients by
+
+    A_ij = Σ(B_i ⊙ B_j) / (‖B_i‖_F ‖B_j‖_F)     (``similarity=cosine_sum``, the code: with one-hot
+                                                  B it is the share of samples both predict alike)
+    A_ij = ‖B_i ⊙ B_j‖_F / (‖B_i‖_F ‖B_j‖_F)     (``frobenius_hadamard``, the thesis as printed)
+
+β (``algorithm.beta``) is a *similarity* threshold in [0, 1]: β = 0 is FedAvg, β = 1 is local
+training (the opposite direction of PACFL's β).
+
+- ``flis_dc`` (Alg. 4 + 5): every round, each sampled client downloads all T_t cluster models of
+  the previous round, trains the one with the lowest loss (``algorithm.select_by``: the loss on
+  its training data; the thesis uses local test loss and the code local test accuracy), and the
+  server forms one overlapping cluster per participant, C_i = {j : A_ij ≥ β} ∪ {i}; each
+  cluster's model is the |D_k|-weighted mean of its members. Identical member sets give
+  identical models and are kept once.
+- ``flis_hc`` (Alg. 6): before round 0 all clients train θ_g^0 for E epochs, the server builds A
+  over all of them, runs agglomerative clustering on d = 1 − A cut at 1 − β, and every cluster
+  model restarts from θ_g^0; then FedAvg inside each cluster.
+
+Newcomers (§1.5): a newcomer trains θ_g^0 on its own data, uploads it, and the server compares
+its inferences with the clusters' (DC: the cluster models; HC: the clients' round-0 models with
+the same linkage); it joins the most similar cluster if the similarity is ≥ β, else its own
+model becomes a new cluster.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from flockfl import clustering
+from flockfl.algorithms.base import Algorithm, client_model_losses
+from flockfl.algorithms.hyper import choice, integer, real
+from flockfl.algorithms.oneshot import OneShotClustering
+from flockfl.config import ConfigError
+from flockfl.engine import TRAINERS, LocalSpec
+from flockfl.engine.functional import stacked_outputs
+from flockfl.state import ServerState
+
+HYPER = (
+    integer("server_data_size", 2500, "samples of the server's own data (held out of every client)", "M̃", ge=1),
+    real("beta", 0.5, "similarity threshold: 0 gives FedAvg, 1 local training", "β", ge=0, le=1),
+    choice("outputs", "onehot", ("onehot", "soft"), "B_k: one-hot predicted labels (code) or softmax outputs"),
+    choice("similarity", "cosine_sum", ("cosine_sum", "frobenius_hadamard"),
+           "adjacency: Σ(B_i⊙B_j)/(‖B_i‖‖B_j‖) (code; diagonal 1) or ‖B_i⊙B_j‖_F/(‖B_i‖‖B_j‖) (thesis as printed)"),
+)
+
+
+class FLISBase(Algorithm):
+    """The inference-similarity machinery shared by both variants."""
+
+    @classmethod
+    def check_config(cls, cfg):
+        if cfg.partition.server_holdout < cfg.algorithm.server_data_size:
+            raise ValueError(f"partition.server_holdout: {cls.name} needs {cfg.algorithm.server_data_size} server samples "
+                             f"(algorithm.server_data_size) but the partition holds out {cfg.partition.server_holdout}; "
+                             "raise partition.server_holdout or leave it unset")
+
+    def server_x(self, ctx) -> torch.Tensor:
+        if ctx.data.server is None:
+            raise ConfigError(f"{self.name}: the partition holds no server data; leave partition.server_holdout unset")
+        return ctx.data.server.x[: self.cfg.algorithm.server_data_size]
+
+    def inferences(self, ctx, models: dict[str, torch.Tensor]) -> np.ndarray:
+        """B_k of every stacked model on the server data: [k, M̃, classes]."""
+        out = stacked_outputs(ctx.model, models, self.server_x(ctx))
+        if self.cfg.algorithm.outputs == "soft":
+            return torch.softmax(out, -1).double().cpu().numpy()
+        return clustering.one_hot_predictions(out.double().cpu().numpy())
+
+    def similarity(self, b: np.ndarray) -> np.ndarray:
+        return clustering.inference_similarity(b, self.cfg.algorithm.similarity)
+
+    def solo_models(self, state, ctx, clients: np.ndarray, round: int, stream: str) -> dict[str, torch.Tensor]:
+        """θ_g^0 trained for E local epochs on each listed client's own data."""
+        t = self.cfg.train
+        theta0 = state.algo["theta0"]
+        init = {k: v.unsqueeze(0).expand(len(clients), *v.shape) for k, v in theta0.items()}
+        spec = LocalSpec(np.asarray(clients, np.int64), init, t.lr, t.local_epochs, None, t.batch_size, t.full_batch, stream=stream)
+        engine = state.meta.get("engine") or ("vectorized" if t.engine == "auto" else t.engine)
+        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round).params
+
+
+class FLISDC(FLISBase):
+    name = "flis_dc"
+    paper = "Morafah et al., FLIS: Clustered FL via Inference Similarity, arXiv 2208.09754 (thesis §3.3, Alg. 4–5)"
+    hyperparameters = HYPER + (
+        choice("select_by", "train_loss", ("train_loss", "test_loss", "test_accuracy"),
+               "how a client picks among the cluster models: lowest loss on its training data, or the thesis's "
+               "lowest local-test loss, or the code's highest local-test accuracy (both use test labels)"),
+    )
+
+    def init_state(self, ctx):
+        state = super().init_state(ctx)
+        return state.replace(algo={"theta0": {k: v[0].clone() for k, v in state.models.items()}})
+
+    def choose(self, state, ctx, clients: np.ndarray) -> np.ndarray:
+        """The cluster model each client picks (ties → the lowest index)."""
+        how = self.cfg.algorithm.select_by
+        split = ctx.data.train if how == "train_loss" else ctx.data.test
+        loss, acc, _ = client_model_losses(ctx.model, state.models, split, clients, ctx.data.task)
+        score = -acc if how == "test_accuracy" else loss
+        return np.argmin(score.numpy(), axis=0).astype(np.int64)
+
+    def model_of(self, state, ctx, clients):
+        return self.choose(state, ctx, clients)
+
+    def eval_assignment(self, state, ctx):
+        return self.choose(state, ctx, np.arange(ctx.num_clients))
+
+    def overlapping_clusters(self, ctx, result) -> tuple[list[np.ndarray], np.ndarray]:
+        """ISC (Alg. 5): one cluster per participant's row of A, identical member sets kept once
+        (first-seen order); returns (clusters, the cluster of each participant's own row)."""
+        rows = clustering.threshold_clusters(self.similarity(self.inferences(ctx, result.params)), self.cfg.algorithm.beta)
+        index: dict[tuple, int] = {}
+        own = np.array([index.setdefault(tuple(int(m) for m in r), len(index)) for r in rows], np.int64)
+        return [np.array(key, np.int64) for key in index], own
+
+    def cluster(self, state, ctx, spec, result):
+        return self.overlapping_clusters(ctx, result)[1]
+
+    def aggregate(self, state, ctx, spec, result, assign):
+        """T_{t+1} models: the |D_k|-weighted mean of each (overlapping) cluster's members."""
+        clusters, _ = self.overlapping_clusters(ctx, result)
+        models = {k: torch.stack([(self.weights(result, m).to(v.dtype) @ v[torch.from_numpy(m)].reshape(len(m), -1))
+                                  .reshape(v.shape[1:]) for m in clusters]) for k, v in result.params.items()}
+        return self._with_assignments(state, models, result.clients, assign)
+
+    def comm_bytes(self, state, clients):
+        per_model = self.model_bytes(state)
+        return len(clients) * per_model * state.k, len(clients) * per_model  # all T_t models go down
+
+    def admit_newcomers(self, state, ctx, newcomers):
+        own = self.solo_models(state, ctx, newcomers, state.round, "newcomer/solo")
+        b_new, b_clusters = self.inferences(ctx, own), self.inferences(ctx, state.models)
+        sim = self.similarity(np.concatenate([b_new, b_clusters]))[: len(newcomers), len(newcomers):]
+        best = sim.argmax(1)
+        beta = self.cfg.algorithm.beta
+        assign, extra = best.copy(), []
+        for b in range(len(newcomers)):
+            if sim[b, best[b]] < beta:
+                assign[b] = state.k + len(extra)
+                extra.append(b)
+        if extra:
+            idx = torch.tensor(extra)
+            state = state.replace(models={k: torch.cat([v, own[k][idx]]) for k, v in state.models.items()})
+        return state, assign.astype(np.int64), f"most similar cluster model if A ≥ β={beta}, else its own model"
+
+
+class FLISHC(FLISBase, OneShotClustering):
+    name = "flis_hc"
+    paper = "Morafah et al., FLIS: Clustered FL via Inference Similarity, arXiv 2208.09754 (thesis §3.3, Alg. 6)"
+    hyperparameters = HYPER + (
+        choice("linkage", "average", ("average", "weighted", "complete", "single"),
+               "hierarchical linkage on d = 1 − A (the thesis does not name one)"),
+    )
+
+    def pre_federation(self, state, ctx):
+        a = self.cfg.algorithm
+        theta = {k: v[0].clone() for k, v in state.models.items()}
+        state = state.replace(algo={**state.algo, "theta0": theta})
+        b = self.inferences(ctx, self.solo_models(state, ctx, ctx.seen, -1, "pre_federation"))
+        sim = self.similarity(b)
+        labels = clustering.hierarchical_clusters(1.0 - sim, threshold=1.0 - a.beta + 1e-12, linkage=a.linkage)
+        predictions = torch.from_numpy(b.argmax(-1).astype(np.int16)) if a.outputs == "onehot" else torch.from_numpy(b)
+        state = self.clustered_state(state, ctx, labels, {
+            "matrices": {"flis_similarity": torch.from_numpy(sim)},
+            "matrix_clients": torch.from_numpy(ctx.seen.copy()),
+            "server_predictions": predictions,
+        })
+        per_model = self.model_bytes(state)
+        state.meta["pre_federation_bytes"] = {"up": len(ctx.seen) * per_model, "down": len(ctx.seen) * per_model}
+        return state
+
+    def admit_newcomers(self, state, ctx, newcomers):
+        a = self.cfg.algorithm
+        own = self.solo_models(state, ctx, newcomers, state.round, "newcomer/solo")
+        b_new = self.inferences(ctx, own)
+        stored = state.algo["server_predictions"].numpy()
+        b_old = (np.eye(b_new.shape[-1])[stored] if stored.ndim == 2 else stored)
+        sim = self.similarity(np.concatenate([b_new, b_old]))[: len(newcomers), len(newcomers):]
+        labels = state.assignments[ctx.seen]
+        assign, extra = np.empty(len(newcomers), np.int64), []
+        for b in range(len(newcomers)):
+            d = clustering.point_to_cluster_distances(1.0 - sim[b], labels, a.linkage)
+            j = int(np.argmin(d))
+            if d[j] <= 1.0 - a.beta + 1e-12:
+                assign[b] = j
+            else:
+                assign[b] = state.k + len(extra)
+                extra.append(b)
+        if extra:
+            idx = torch.tensor(extra)
+            state = state.replace(models={k: torch.cat([v, own[k][idx]]) for k, v in state.models.items()})
+        return state, assign, f"nearest cluster by {a.linkage} linkage on 1 − A if ≤ 1 − β, else its own model"
+
+    def comm_bytes(self, state, clients):
+        per_model = self.model_bytes(state)
+        return len(clients) * per_model, len(clients) * (per_model + 8)
