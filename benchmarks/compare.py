@@ -40,7 +40,7 @@ def algorithm_overrides(name: str, cfg) -> list[str]:
 
 
 def run_one(name: str, cfg, base, stamp: str, uri: str, parent_run_id: str):
-    """One algorithm through the experiment flow, as a nested MLflow run; returns a table row."""
+    """One configuration through the experiment flow, as a nested MLflow run; returns a table row."""
     from mlflow.tracking import MlflowClient
 
     from flows.experiment import run_experiment
@@ -55,6 +55,57 @@ def run_one(name: str, cfg, base, stamp: str, uri: str, parent_run_id: str):
     return name, s, best
 
 
+def run_variants(base_ref: str, variants: list[tuple[str, list[str]]], overrides: list[str], params: str,
+                 tracking_uri=None, parent_name: str | None = None):
+    """Every (label, overrides) variant of one base config, each a nested MLflow run under one
+    parent; returns (base config, MLflow parent run id, [(label, summary, best accuracy)]).
+    A bad config or an impossible partition raises ConfigError before anything runs."""
+    from flockfl.config import load_experiment
+    from flows.cli import _build_partition
+    from tasks.tracking import Tracker, resolve_tracking_uri
+
+    base = load_experiment(base_ref, overrides, params)
+    cfgs = {label: load_experiment(base_ref, overrides + extra, params) for label, extra in variants}
+    for cfg in cfgs.values():  # data errors are one line, before any run starts
+        _build_partition(cfg, "data/partitions")
+    uri = resolve_tracking_uri(tracking_uri, base.tracking.uri)
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    parent = Tracker(uri, f"compare-{base.name}", parent_name or f"compare-{stamp}",
+                     params={"variants": ",".join(cfgs), "base": base_ref, **base.to_flat()})
+    rows = []
+    try:
+        for label, cfg in cfgs.items():
+            rows.append(run_one(label, cfg, base, stamp, uri, parent.run_id))
+    except BaseException:
+        parent.finish("FAILED")
+        raise
+    parent.finish()
+    return base, parent.run_id, rows
+
+
+COLUMNS = [  # (header, summary key or metric, format)
+    ("acc (cluster/global model)", "accuracy", ".3f"), ("p10", "accuracy_p10", ".3f"),
+    ("acc after local training", "accuracy_finetuned", ".3f"), ("p10 ", "accuracy_finetuned_p10", ".3f"),
+    ("ARI", "ari", ".3f"), ("clusters", "num_clusters", "d"), ("unseen acc", "unseen_accuracy", ".3f"),
+    ("rounds to target", "rounds_to_target", "d"), ("sim_time to target (s)", "sim_time_to_target", ".1f"),
+    ("MB sent", "mb_total", ".1f"), ("wall s", "wall_s", ".1f"),
+]
+
+
+def table(rows, columns=COLUMNS, extra: dict | None = None) -> str:
+    """A markdown table of the rows; ``extra`` adds columns {header: {label: text}} (e.g. a paper's numbers)."""
+    fmt = lambda v, f: "–" if v is None or v != v else format(v, f)  # noqa: E731
+    heads = ["algorithm"] + list(extra or {}) + [c[0] for c in columns]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    for name, s, best in rows:
+        m = {**s["metrics"], **{k: s.get(k) for k in ("rounds_to_target", "sim_time_to_target", "wall_s")}}
+        m["mb_total"] = s.get("bytes_total", 0) / 1e6
+        m["best"] = best
+        cells = [name] + [(extra[h].get(name, "–")) for h in (extra or {})] + [fmt(m.get(key), f) for _, key, f in columns]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", default="digits_dirichlet", help="an experiment in params.yaml or a YAML config")
@@ -66,41 +117,24 @@ def main() -> int:
     args = ap.parse_args()
     configure_environment()
     from flockfl.config import ConfigError, load_experiment
-    from tasks.tracking import Tracker, resolve_tracking_uri
 
     try:
         base = load_experiment(args.base, args.overrides, args.params)
         target = args.target if args.target is not None else base.train.target_accuracy
         extra = [f"train.target_accuracy={target}"] if target is not None else []
-        cfgs = {a: load_experiment(args.base, args.overrides + extra + [f"algorithm.name={a}"]
-                                   + algorithm_overrides(a, base), args.params) for a in args.algorithms}
+        variants = [(a, extra + [f"algorithm.name={a}"] + algorithm_overrides(a, base)) for a in args.algorithms]
+        base, parent, rows = run_variants(args.base, variants, args.overrides, args.params, args.tracking_uri)
     except ConfigError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2
-    uri = resolve_tracking_uri(args.tracking_uri, base.tracking.uri)
-    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parent = Tracker(uri, f"compare-{base.name}", f"compare-{stamp}",
-                     params={"algorithms": ",".join(args.algorithms), "base": args.base, **base.to_flat()})
-    rows = []
-    try:
-        for name, cfg in cfgs.items():
-            rows.append(run_one(name, cfg, base, stamp, uri, parent.run_id))
-    except ConfigError as err:  # e.g. an impossible partition, found when the data is loaded
-        parent.finish("FAILED")
-        print(f"compare: error: {err}", file=sys.stderr)
-        return 2
-    parent.finish()
     print(f"\n{base.dataset.name} / {base.partition.scheme}"
           f"{f'(α={base.partition.alpha})' if base.partition.scheme == 'dirichlet' else ''}, "
           f"{base.partition.num_clients} clients, {base.train.clients_per_round} per round, {base.model.name}, "
-          f"{base.train.rounds} rounds; target accuracy {target}; MLflow parent run {parent.run_id}\n")
-    print("| algorithm | final acc | best acc | p10 acc | rounds to target | sim_time to target (s) | wall s |")
-    print("|---|---|---|---|---|---|---|")
-    fmt = lambda v, f: "–" if v is None else format(v, f)  # noqa: E731
-    for name, s, best in rows:
-        m = s["metrics"]
-        print(f"| {name} | {m.get('accuracy', float('nan')):.3f} | {best:.3f} | {m.get('accuracy_p10', float('nan')):.3f} | "
-              f"{fmt(s.get('rounds_to_target'), 'd')} | {fmt(s.get('sim_time_to_target'), '.1f')} | {s['wall_s']:.1f} |")
+          f"{base.train.rounds} rounds; target accuracy {target}; MLflow parent run {parent}\n")
+    print(table(rows, [("final acc", "accuracy", ".3f"), ("best acc", "best", ".3f"), ("p10 acc", "accuracy_p10", ".3f"),
+                       ("rounds to target", "rounds_to_target", "d"), ("sim_time to target (s)", "sim_time_to_target", ".1f"),
+                       ("acc after local training", "accuracy_finetuned", ".3f"), ("ARI", "ari", ".3f"),
+                       ("clusters", "num_clusters", "d"), ("MB sent", "mb_total", ".1f"), ("wall s", "wall_s", ".1f")]))
     return 0
 
 

@@ -278,11 +278,7 @@ def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: Ru
 
     clients = np.arange(ctx.num_clients) if clients is None else np.asarray(clients, np.int64)
     mine = assign[clients]
-    loss, acc, n_test = client_model_losses(ctx.model, models, ctx.data.test, clients, ctx.data.task)
-    pick = torch.from_numpy(np.maximum(mine, 0))
-    c_loss = loss[pick, torch.arange(len(clients))].numpy().astype(np.float64)
-    c_acc = acc[pick, torch.arange(len(clients))].numpy().astype(np.float64)
-    n = n_test.numpy()
+    c_loss, c_acc, n = own_cluster_metrics(ctx.model, models, mine, ctx.data.test, clients, ctx.data.task)
     has = n > 0
     out: dict[str, Any] = summarise_clients(c_loss, c_acc, n, ctx.data.task)
     k = next(iter(models.values())).shape[0]
@@ -304,6 +300,20 @@ def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: Ru
     out["_client_loss"] = c_loss
     out["_assignment"] = assign
     return out
+
+
+def own_cluster_metrics(model: nn.Module, models: dict[str, torch.Tensor], which: np.ndarray, split, clients: np.ndarray,
+                        task: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Mean loss and accuracy of every listed client under model ``which[i]`` only: one pass per
+    model over its own clients (with k ≥ clients, e.g. local training, never k × clients)."""
+    c_loss, c_acc, n = np.zeros(len(clients)), np.zeros(len(clients)), np.zeros(len(clients), np.int64)
+    which = np.maximum(which, 0)
+    for j in np.unique(which):
+        pos = np.flatnonzero(which == j)
+        one = {k: v[int(j) : int(j) + 1] for k, v in models.items()}
+        loss, acc, cnt = client_model_losses(model, one, split, clients[pos], task)
+        c_loss[pos], c_acc[pos], n[pos] = loss[0].numpy(), acc[0].numpy(), cnt.numpy()
+    return c_loss, c_acc, n
 
 
 @torch.no_grad()

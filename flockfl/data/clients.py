@@ -1,12 +1,14 @@
 """Materialised client data: every client's samples, transformed, in flat tensors.
 
 Samples are stored back to back (``x[offsets[i]:offsets[i+1]]`` is client i), so unequal
-client sizes cost no padding. The cohort trainer gathers batches by global index.
+client sizes cost no padding. The cohort trainer gathers batches by global index. The server's
+own held-out training samples (``partition.server_holdout``), if any, are ``ClientData.server``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -51,6 +53,8 @@ class ClientData:
     task: str
     num_classes: int
     input_shape: tuple[int, ...]
+    # the server's held-out training samples (one block, offsets [0, h], untransformed), or None
+    server: Optional[Split] = None
 
     @property
     def num_clients(self) -> int:
@@ -62,7 +66,8 @@ class ClientData:
 
     def to(self, device: torch.device) -> "ClientData":
         mv = lambda s: Split(s.x.to(device), s.y.to(device), s.offsets)  # noqa: E731
-        return ClientData(mv(self.train), mv(self.test), self.group, self.task, self.num_classes, self.input_shape)
+        return ClientData(mv(self.train), mv(self.test), self.group, self.task, self.num_classes, self.input_shape,
+                          None if self.server is None else mv(self.server))
 
 
 def _materialise(x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], p: Partition) -> Split:
@@ -80,9 +85,20 @@ def _materialise(x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], p: Partiti
     return Split(torch.cat(xs).contiguous(), torch.cat(ys).contiguous(), offsets)
 
 
+def server_split(ds: Dataset, p: Partition) -> Optional[Split]:
+    """The held-out training samples ``p.server_idx`` as one block, in their stored (random)
+    order and without any client's transform; None when nothing was held out."""
+    if len(p.server_idx) == 0:
+        return None
+    idx = np.asarray(p.server_idx, np.int64)
+    return Split(torch.from_numpy(np.ascontiguousarray(ds.x_train[idx])), torch.from_numpy(np.ascontiguousarray(ds.y_train[idx])),
+                 np.array([0, len(idx)], np.int64))
+
+
 def build_client_data(ds: Dataset, p: Partition) -> ClientData:
     return ClientData(
         _materialise(ds.x_train, ds.y_train, p.train_idx, p),
         _materialise(ds.x_test, ds.y_test, p.test_idx, p),
         np.asarray(p.group, np.int64), ds.task, ds.num_classes, ds.input_shape,
+        server_split(ds, p),
     )

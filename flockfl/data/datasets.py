@@ -4,7 +4,8 @@
 - ``fashion_mnist`` / ``mnist``: IDX or IDX.gz files (searched in ``dataset.path``, then
   ``data/raw/<name>/``, then the Debian package's folder);
 - ``npz``: a user's own arrays, optionally with natural client ids and ground-truth groups;
-- ``synthetic_linreg``: IFCA's mixture of linear regressions (spec §4.1).
+- ``synthetic_linreg``: IFCA's mixture of linear regressions (spec §4.1);
+- ``mix``: several of the above side by side, each with its own 10 labels (MIX-4, thesis §3.4.2).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Dataset:
     client_test: Optional[np.ndarray] = None
     group: Optional[np.ndarray] = None  # ground-truth cluster of every natural client
     meta: dict = field(default_factory=dict)
+    source_train: Optional[np.ndarray] = None  # mix: the source (index into meta["sources"]) of every sample
+    source_test: Optional[np.ndarray] = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -179,6 +182,7 @@ def make_synthetic_linreg(cfg: DatasetConfig, seed: int, num_clients: int) -> Da
     θ*_j = R·b_j with b_j ~ Bernoulli(0.5)^d; client i belongs to cluster ⌊i·k/m⌋ (contiguous
     equal blocks); x ~ N(0, I_d) and y = ⟨x, θ*⟩ + σ·ε.
     """
+    num_clients = 10 if num_clients is None else num_clients  # partition.num_clients unset: the default 10
     k, d, n, n_te = cfg.clusters, cfg.dim, cfg.samples_per_client, cfg.test_samples_per_client
     if k > num_clients:
         raise ConfigError(f"dataset.clusters: {k} clusters need at least {k} clients (partition.num_clients={num_clients})")
@@ -201,7 +205,58 @@ def make_synthetic_linreg(cfg: DatasetConfig, seed: int, num_clients: int) -> Da
     )
 
 
-def load_dataset(cfg: DatasetConfig, seed: int, num_clients: int) -> Dataset:
+# ---------------------------------------------------------------------- mix
+
+
+def default_mix_sources(data_dir: Optional[str] = None) -> list[str]:
+    """Fashion-MNIST and digits, plus MNIST when its IDX files are found (appended last, so the
+    label offsets of the first two do not depend on it)."""
+    try:
+        _find_idx_dir("mnist", str(Path(data_dir) / "mnist") if data_dir else None)
+        return ["fashion_mnist", "digits", "mnist"]
+    except ConfigError:
+        return ["fashion_mnist", "digits"]
+
+
+def load_mix(cfg: DatasetConfig, seed: int) -> Dataset:
+    """MIX (thesis §3.5, MIX-4 adapted to the sources at hand): the sources side by side.
+
+    Source s keeps its own train/test split; its labels are offset by 10·s, so the label spaces
+    are disjoint (num_classes = 10·S), and every sample's source is in ``source_train`` /
+    ``source_test``. All images are 1×28×28 in [0, 1]: digits' 8×8 images are upsampled
+    bilinearly (``torch.nn.functional.interpolate``, align_corners=False). With ``dataset.path``
+    set, an IDX source is looked for in ``<path>/<source>/`` first.
+    """
+    import torch
+
+    names = list(cfg.sources) if cfg.sources is not None else default_mix_sources(cfg.path)
+    if len(names) == 0 or len(set(names)) != len(names):
+        raise ConfigError(f"dataset.sources: {names} must name at least one source, each once; e.g. [fashion_mnist, digits]")
+    parts, where = [], []
+    for name in names:
+        sub = cfg.model_copy(update={"name": name, "path": str(Path(cfg.path) / name) if cfg.path else None})
+        if name == "digits":
+            ds = load_digits(sub, seed)
+            up = lambda a: torch.nn.functional.interpolate(  # noqa: E731
+                torch.from_numpy(a), size=(28, 28), mode="bilinear", align_corners=False).numpy()
+            ds.x_train, ds.x_test = up(ds.x_train), up(ds.x_test)
+            where.append("sklearn digits (8×8 → 28×28)")
+        else:
+            ds = load_idx_dataset(sub, seed)
+            where.append(ds.meta["source"])
+        parts.append(ds)
+    cat = lambda key: np.concatenate([getattr(d, key) for d in parts])  # noqa: E731
+    offset = lambda key: np.concatenate([getattr(d, key) + 10 * s for s, d in enumerate(parts)])  # noqa: E731
+    src = lambda key: np.concatenate([np.full(len(getattr(d, key)), s, np.int64) for s, d in enumerate(parts)])  # noqa: E731
+    return Dataset(
+        "mix", cat("x_train"), offset("y_train"), cat("x_test"), offset("y_test"), num_classes=10 * len(parts),
+        meta={"sources": names, "source_dirs": where}, source_train=src("y_train"), source_test=src("y_test"),
+    )
+
+
+def load_dataset(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Dataset:
+    if cfg.name == "mix":
+        return load_mix(cfg, seed)
     if cfg.name == "digits":
         return load_digits(cfg, seed)
     if cfg.name in ("fashion_mnist", "mnist"):

@@ -1,0 +1,97 @@
+"""Similarities and distances between clients' outputs and label distributions.
+
+- FLIS's inference similarity (thesis §3.3.2, Alg. 5): how alike two models' predictions on the
+  server's data are.
+- Label proportions (FedSC's data attribute I_i) and the label EMD used to measure label skew
+  (NIID-Bench, thesis Table 5.3).
+- ARI / NMI against a ground truth (scikit-learn).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SIMILARITY_FORMS = ("cosine_sum", "frobenius_hadamard")
+
+
+def one_hot_predictions(logits: np.ndarray) -> np.ndarray:
+    """B = one-hot of argmax over the last axis (the FLIS code's hard predictions), float64."""
+    logits = np.asarray(logits)
+    return (logits.argmax(-1)[..., None] == np.arange(logits.shape[-1])).astype(np.float64)
+
+
+def inference_similarity(outputs: np.ndarray, form: str = "cosine_sum") -> np.ndarray:
+    """FLIS's adjacency A between n models from their outputs B_i ∈ R^{M̃×C} on the server data
+    (``outputs`` is [n, M̃, C], one-hot or soft), spec §1.2.
+
+    - ``cosine_sum`` (FLIS code): A_ij = Σ_ab (B_i ⊙ B_j)_ab / (‖B_i‖_F ‖B_j‖_F), the cosine of
+      the flattened outputs. Its diagonal is 1, and with one-hot B it is the fraction of server
+      samples on which models i and j predict the same class.
+    - ``frobenius_hadamard`` (thesis as printed): A_ij = ‖B_i ⊙ B_j‖_F / (‖B_i‖_F ‖B_j‖_F); with
+      one-hot B it is √(agreement fraction / M̃) and its diagonal is 1/√M̃.
+
+    A model whose outputs are all zero has similarity 0 to every model.
+    """
+    b = np.asarray(outputs, np.float64)
+    f = b.reshape(len(b), -1)
+    norms = np.linalg.norm(f, axis=1)
+    denom = np.outer(norms, norms)
+    if form == "cosine_sum":
+        num = f @ f.T
+    elif form == "frobenius_hadamard":
+        sq = f * f
+        num = np.sqrt(np.maximum(sq @ sq.T, 0.0))
+    else:
+        raise ValueError(f"inference_similarity: unknown form {form!r}; use one of {', '.join(SIMILARITY_FORMS)}")
+    a = np.divide(num, denom, out=np.zeros_like(num), where=denom > 0)
+    if form == "cosine_sum":
+        np.fill_diagonal(a, (norms > 0).astype(np.float64))  # exactly 1, not 1 ± rounding
+    return a
+
+
+def label_proportions(hist: np.ndarray) -> np.ndarray:
+    """I_i = [n_i1/n_i, …, n_iC/n_i] for every row of a label histogram (FedSC's data attribute);
+    a row of zeros stays zero."""
+    h = np.asarray(hist, np.float64)
+    s = h.sum(-1, keepdims=True)
+    return np.divide(h, s, out=np.zeros_like(h), where=s > 0)
+
+
+def label_emd(p: np.ndarray, q: np.ndarray) -> float:
+    """Earth mover's distance between two label distributions with the 0/1 ground distance
+    (moving mass between any two different labels costs 1): EMD(p, q) = ½ Σ_c |p_c − q_c|, the
+    total variation distance, in [0, 1] (0: same distribution, 1: disjoint labels).
+
+    Zhao et al. (arXiv 1806.00582), whose label-skew measure NIID-Bench follows, report
+    Σ_c |p_c − q_c| without the ½, i.e. twice this value.
+    """
+    p = np.asarray(p, np.float64)
+    q = np.asarray(q, np.float64)
+    return float(0.5 * np.abs(p - q).sum())
+
+
+def mean_pairwise(matrix: np.ndarray) -> float:
+    """The mean of the off-diagonal upper triangle (i < j) of a square matrix; 0 for n < 2."""
+    m = np.asarray(matrix, np.float64)
+    iu = np.triu_indices(len(m), k=1)
+    return float(m[iu].mean()) if len(iu[0]) else 0.0
+
+
+def pairwise_label_emd(props: np.ndarray) -> np.ndarray:
+    """[n, n] matrix of :func:`label_emd` between the rows of a proportions matrix."""
+    props = np.asarray(props, np.float64)
+    return 0.5 * np.abs(props[:, None, :] - props[None, :, :]).sum(-1)
+
+
+def ari(a: np.ndarray, b: np.ndarray) -> float:
+    """Adjusted Rand index (scikit-learn ``adjusted_rand_score``)."""
+    from sklearn.metrics import adjusted_rand_score
+
+    return float(adjusted_rand_score(np.asarray(a), np.asarray(b)))
+
+
+def nmi(a: np.ndarray, b: np.ndarray) -> float:
+    """Normalised mutual information (scikit-learn ``normalized_mutual_info_score``)."""
+    from sklearn.metrics import normalized_mutual_info_score
+
+    return float(normalized_mutual_info_score(np.asarray(a), np.asarray(b)))
