@@ -54,7 +54,8 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
     ctx = RunContext(cfg, model, data, truth)
-    return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads)
+    return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads,
+                       info={"heterogeneity": dict(part.info.get("heterogeneity") or {})})
 
 
 def check_task(cfg: ExperimentConfig, ds) -> None:

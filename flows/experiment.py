@@ -173,6 +173,9 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     resumed_from = state.round
     tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id)
     logged = tracker.last_logged_round() if tracker else 0
+    if tracker and logged == 0 and prep.info.get("heterogeneity"):  # the partition's heterogeneity measures
+        tracker.log_values({f"partition_{k}": v for k, v in prep.info["heterogeneity"].items()
+                            if isinstance(v, (int, float))}, step=0)
     if tracker and logged < state.round:  # a resumed run: log the rounds the crash kept from MLflow
         tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > logged])
     bar = Progress(cfg.train.rounds, state.round, cfg.name, progress)

@@ -85,12 +85,15 @@ class Tracker:
         for a in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[a : a + 1000])
 
-    def log_pre_federation(self, cost: dict[str, Any]) -> None:
-        """The one-shot pre-federation step's cost, at step 0."""
+    def log_values(self, values: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
 
         ts = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(f"pre_federation_{k}", float(v), ts, 0) for k, v in cost.items()])
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
+
+    def log_pre_federation(self, cost: dict[str, Any]) -> None:
+        """The one-shot pre-federation step's cost, at step 0."""
+        self.log_values({f"pre_federation_{k}": v for k, v in cost.items()}, step=0)
 
     def log_dict(self, obj: dict, name: str) -> None:
         self.client.log_dict(self.run_id, obj, name)

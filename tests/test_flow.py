@@ -203,3 +203,65 @@ def test_compare_benchmark_nests_one_run_per_algorithm(project):
     exp = client.get_run(parent_id).info.experiment_id
     children = client.search_runs([exp], filter_string=f"tags.mlflow.parentRunId = '{parent_id}'")
     assert sorted(c.data.params["algorithm.name"] for c in children) == ["fedavg", "scaffold"]
+
+
+PACFL = {
+    "name": "e2e-pacfl", "seed": 2,
+    "dataset": {"name": "digits"},
+    "partition": {"scheme": "label_swap", "k": 2, "label_swap_mode": "random_perm", "num_clients": 12,
+                  "unseen_fraction": 0.25},
+    "model": {"name": "mlp", "hidden": 32},
+    "algorithm": {"name": "pacfl", "measure": "class_matched"},
+    "train": {"rounds": 3, "clients_per_round": 4, "local_epochs": 2, "batch_size": 10, "lr": 0.1, "engine": "vectorized"},
+}
+
+
+@pytest.fixture(scope="module")
+def pacfl_run(project):
+    (project / "pacfl.yaml").write_text(yaml.safe_dump(PACFL))
+    res = run_flock(["run", "pacfl.yaml", "--run-dir", "runs/pacfl", "--json", "--tracking-uri", uri(project)], project)
+    assert res.returncode == 0, res.stderr
+    return last_json(res.stdout)
+
+
+def test_pacfl_run_logs_its_pre_federation_newcomers_and_both_conventions(project, pacfl_run):
+    """The pre-federation stage is its own task with its cost logged; newcomers join; the
+    after-local-training accuracy is beside the cluster models' accuracy."""
+    s = pacfl_run
+    assert s["pre_federation"]["bytes_up"] > 0 and s["pre_federation"]["seconds"] > 0
+    assert s["bytes_total"] > s["pre_federation"]["bytes_up"]  # the rounds' transfers plus the one-shot upload
+    m = s["metrics"]
+    for key in ("accuracy", "accuracy_finetuned", "unseen_accuracy", "unseen_accuracy_untuned", "ari", "num_clusters"):
+        assert key in m, key
+    assert len(s["newcomers"]["clients"]) == 3 and s["newcomers"]["rule"].startswith("PME")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri(project))
+    run = client.get_run(s["run_id"])
+    assert run.data.metrics["pre_federation_bytes_up"] == s["pre_federation"]["bytes_up"]
+    assert run.data.metrics["unseen_accuracy"] == m["unseen_accuracy"]
+    assert 0 <= run.data.metrics["partition_emd"] <= 1 and run.data.metrics["partition_angle_eq31"] >= 0
+    names = {a.path for a in client.list_artifacts(s["run_id"], "plots")}
+    assert "plots/pacfl_proximity.png" in names
+    assert any(a.path == "newcomers.json" for a in client.list_artifacts(s["run_id"]))
+
+
+@pytest.mark.parametrize("point", ["0:pre_federation", "1:select"])
+def test_pacfl_resume_after_a_kill_is_bit_identical(project, pacfl_run, point):
+    run_dir = f"runs/pacfl-kill-{point.split(':')[1]}"
+    res = run_flock(["run", "pacfl.yaml", "--run-dir", run_dir, "--json", "--tracking-uri", uri(project)], project,
+                    env={"FLOCKFL_CRASH_AT": point})
+    assert res.returncode == -signal.SIGKILL
+    from flockfl.state import load_latest
+
+    kept, _ = load_latest(project / run_dir)
+    res = run_flock(["resume", run_dir, "--json"], project)
+    assert res.returncode == 0, res.stderr
+    s = last_json(res.stdout)
+    assert s["state_sha256"] == pacfl_run["state_sha256"]
+    assert s["metrics"] == pacfl_run["metrics"] and s["newcomers"] == pacfl_run["newcomers"]
+    if point == "1:select":  # killed in round 1: the pre-federation result, its measured seconds
+        assert s["resumed_from_round"] == 1  # included, came from the checkpoint: it was not redone
+        assert s["pre_federation"] == kept.meta["pre_federation"]
+    else:  # killed inside the pre-federation step, before its checkpoint: it ran again
+        assert kept is None
