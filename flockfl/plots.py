@@ -20,7 +20,7 @@ def accuracy_curves(history: list[dict], path: Path) -> Path:
         if any(name in h for h in history):
             ax.plot(rounds, [h.get(name, np.nan) for h in history], style, label=name)
     clusters = sorted({k for h in history for k in h if k.startswith("cluster/") and k.endswith(f"/{key}")})
-    for c in clusters:
+    for c in clusters if len(clusters) <= 10 else []:  # one line per cluster stays readable up to 10
         ax.plot(rounds, [h.get(c, np.nan) for h in history], alpha=0.5, lw=1, label=c)
     ax.set_xlabel("round")
     ax.set_ylabel(key)
