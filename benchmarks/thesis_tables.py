@@ -121,12 +121,12 @@ def recovery(args) -> None:
 
 def mix(args) -> None:
     rows = [r for r in ROWS if r[0] in ("local", "fedavg", "ifca", "pacfl", "flis_hc")]
-    rows = [(n, o + (["algorithm.k=2"] if n == "ifca" else [])) for n, o in rows]
+    rows = [(n, o + {"ifca": ["algorithm.k=2"], "flis_hc": ["algorithm.server_data_size=1000"],
+                     "local": ["train.clients_per_round=40"]}.get(n, [])) for n, o in rows]
     run_table("MIX: one source per client, disjoint label spaces", [
-        "dataset.name=mix", "partition.scheme=mix", "partition.num_clients=40", "partition.samples_per_client=200",
+        "dataset.name=mix", "partition.scheme=mix", "partition.num_clients=40",
         "train.clients_per_round=10", "model.name=mlp", "model.hidden=200", f"train.rounds={args.rounds}",
-        f"train.local_epochs={args.epochs}", "train.batch_size=10", "partition.server_holdout=1000",
-        "algorithm.server_data_size=1000"], rows, None, args)
+        f"train.local_epochs={args.epochs}", "train.batch_size=10", "partition.server_holdout=1000"], rows, None, args)
 
 
 def unseen(args) -> None:
