@@ -42,7 +42,6 @@ from flockfl.algorithms.oneshot import OneShotClustering
 from flockfl.config import ConfigError
 from flockfl.engine import TRAINERS, LocalSpec
 from flockfl.engine.functional import stacked_outputs
-from flockfl.state import ServerState
 
 HYPER = (
     integer("server_data_size", 2500, "samples of the server's own data (held out of every client)", "M̃", ge=1),
