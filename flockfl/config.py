@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix", "synthetic_fedprox")
 SCHEMES = ("iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural", "sc_niid", "sc_dir", "mix")
-MODELS = ("mclr", "mlp", "lenet5", "linear")
+MODELS = ("mclr", "mlp", "lenet5", "linear", "lenet5_bn", "cnn_bn")
 
 
 class ConfigError(ValueError):
@@ -78,9 +78,15 @@ class PartitionConfig(_Section):
     # training samples (stratified) withheld from every client as the server's own data (FLIS);
     # None = what the algorithm needs (algorithm.server_data_size), else 0
     server_holdout: Optional[int] = Field(None, ge=0)
+    # Algorithm 2 of the curriculum chapter (flockfl/data/difficulty.py): after the scheme, each
+    # client keeps its class counts, and f_ord of each count is a contiguous block of samples
+    # ranked by an expert's loss (the rest random); None = off
+    difficulty_fraction: Optional[float] = Field(None, ge=0, le=1)
+    difficulty_model: Literal["mclr", "mlp", "lenet5", "lenet5_bn", "cnn_bn"] = "mclr"  # the expert θ_E
+    difficulty_epochs: int = Field(10, ge=1)  # its central training epochs
 
 class ModelConfig(_Section):
-    name: Literal["mclr", "mlp", "lenet5", "linear"] = "mlp"
+    name: Literal["mclr", "mlp", "lenet5", "linear", "lenet5_bn", "cnn_bn"] = "mlp"
     hidden: int = Field(200, ge=1)
 
 
@@ -108,6 +114,9 @@ class TrainConfig(_Section):
     batch_size: int = Field(10, ge=1)  # 0 is not allowed; use full_batch
     full_batch: bool = False
     lr: float = Field(0.05, gt=0)
+    # local heavy-ball momentum ρ (buf ← ρ·buf + g, reset every round) for every local training
+    # (the thesis's curriculum runs use 0.9, Sub-FedAvg 0.5); FedNova has its own algorithm.momentum
+    momentum: float = Field(0.0, ge=0, lt=1)
     engine: Literal["auto", "vectorized", "reference"] = "auto"
     shard_size: int = Field(256, ge=1)  # clients per vectorised training task
     parallel_shards: int = Field(1, ge=1)  # training tasks run at once (threads; 1 suits a small CPU)
@@ -158,6 +167,87 @@ class ShiftConfig(_Section):
     mode: Literal["paper_intent", "code_faithful"] = "paper_intent"
 
 
+class CurriculumConfig(_Section):
+    """Data and client curricula (thesis Chapter 2, ``flockfl/stages/curriculum.py``), for any
+    algorithm. Off by default (``ordering=vanilla`` and ``clients=false``)."""
+
+    ordering: Literal["vanilla", "curr", "anti", "random"] = Field(
+        "vanilla", description="order of each client's samples: vanilla (off), curr (easy first), anti (hard first), random")
+    scoring: Literal["s_G", "s_L", "s_LG", "s_G_pred", "s_L_pred", "s_LG_pred", "s_E"] = Field(
+        "s_G", description="difficulty score (§1.3): loss under the received model (s_G), the client's last local "
+                           "model (s_L), both (s_LG), the prediction checks (*_pred), or the expert (s_E)")
+    pacing: Literal["linear", "exp", "step", "root", "quad"] = Field("linear", description="pacing family g(t) (Table 2.1)")
+    a: float = Field(0.8, ge=0, le=1, description="share of the local budget after which all samples are used")
+    b: float = Field(0.2, ge=0, le=1, description="share of the samples exposed at the first step")
+    pacing_literal: bool = Field(False, description="the printed (N − b) growth of the root/linear/quad rows instead of N(1 − b)")
+    pacing_scope: Literal["round", "global"] = Field(
+        "round", description="the pacing clock: each round's local steps (Algorithm 1) or the whole run's")
+    clients: bool = Field(False, description="client curriculum (§1.5): the cohort comes from a paced pool of ranked clients")
+    client_ordering: Optional[Literal["curr", "anti", "random"]] = Field(
+        None, description="order of the clients (null: the data ordering, or curr when that is vanilla)")
+    client_scoring: Literal["s_G", "s_E"] = Field("s_G", description="client score 1/L_k under the global (s_G) or expert (s_E) model")
+    expert: str = Field("global", description="the expert model of s_E: global (the current global model), an MLflow "
+                                              "model URI (models:/NAME/VERSION, runs:/ID/model_0) or a .pt file")
+    local_model: Literal["persisted", "received"] = Field(
+        "persisted", description="s_L's local model: the client's model from its last participation (the received one "
+                                 "until it has one), or always the received one")
+
+
+class PruningConfig(_Section):
+    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/stages/pruning.py``), for any algorithm.
+    Off by default (``method=none``)."""
+
+    method: Literal["none", "unstructured", "structured", "hybrid"] = Field(
+        "none", description="none, unstructured (Algorithm 10), structured (BN channels) or hybrid (Algorithm 11)")
+    target: float = Field(0.5, gt=0, lt=1, description="share of prunable weights to reach (p_us; hybrid: of the FC weights)")
+    rate: float = Field(0.1, gt=0, le=1, description="share of the still-alive weights pruned per prune event (r_us)")
+    mask_threshold: Optional[float] = Field(
+        None, ge=0, description="ε_us, the first/last-epoch mask distance below which a client stops pruning "
+                                "(null: 1e-4 unstructured, 0.05 hybrid, the seed's values)")
+    channel_target: float = Field(0.5, gt=0, lt=1, description="share of BN channels to prune (p_s; structured, hybrid)")
+    channel_rate: float = Field(0.1, gt=0, le=1, description="share of a layer's alive channels pruned per event (r_s)")
+    channel_threshold: float = Field(0.05, ge=0, description="ε_s, the channel-mask distance threshold")
+    acc_threshold: float = Field(0.5, ge=0, le=1, description="Acc_th: a client prunes only while its accuracy is at least this")
+    acc_gate: Literal["after_mask", "before_training"] = Field(
+        "after_mask", description="when the accuracy gate is measured: on the masked model after training (the "
+                                  "authors' code) or on the received model before training (Algorithm 10)")
+
+
+STAGES = {"curriculum": CurriculumConfig, "pruning": PruningConfig}
+STAGE_PAPERS = {
+    "curriculum": "Vahidian et al., When Do Curricula Work in Federated Learning? (ICCV 2023; thesis Chapter 2)",
+    "pruning": "Vahidian et al., Personalized Federated Learning by Structured and Unstructured Pruning under Data "
+               "Heterogeneity (Sub-FedAvg, ICDCS-W 2021; thesis Chapter 4)",
+}
+
+
+def describe_stage(name: str) -> dict:
+    """What ``flock list curriculum|pruning`` shows: the paper and every key with its default,
+    allowed values and meaning (from the pydantic declarations above)."""
+    import typing
+
+    rows = []
+    for key, f in STAGES[name].model_fields.items():
+        ann = f.annotation
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        lits = typing.get_args(args[0]) if args and typing.get_origin(args[0]) is Literal else typing.get_args(ann)
+        if typing.get_origin(ann) is Literal or (args and typing.get_origin(args[0]) is Literal):
+            allowed = "one of " + ", ".join(map(str, lits))
+        elif ann is bool:
+            allowed = "true or false"
+        else:
+            bounds = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in f.metadata if type(m).__name__ in ("Ge", "Gt", "Le", "Lt")}
+            lo = f"{bounds['Ge']} ≤ " if "Ge" in bounds else f"{bounds['Gt']} < " if "Gt" in bounds else ""
+            hi = f" ≤ {bounds['Le']}" if "Le" in bounds else f" < {bounds['Lt']}" if "Lt" in bounds else ""
+            allowed = f"{lo}x{hi}" if (lo or hi) else ("a string" if ann is str else "a number")
+        if type(None) in typing.get_args(ann):
+            allowed += ", or null"
+        rows.append({"key": f"{name}.{key}", "default": f.default, "allowed": allowed, "symbol": "",
+                     "meaning": f.description or ""})
+    return {"name": name, "paper": STAGE_PAPERS[name], "stages": [f"composes with every algorithm ({name})"],
+            "hyperparameters": rows}
+
+
 class TrackingConfig(_Section):
     enabled: bool = True
     uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
@@ -177,6 +267,8 @@ class ExperimentConfig(_Section):
     tracking: TrackingConfig = TrackingConfig()
     system: SystemConfig = SystemConfig()
     shift: ShiftConfig = ShiftConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
+    pruning: PruningConfig = PruningConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":
@@ -211,9 +303,18 @@ class ExperimentConfig(_Section):
         if self.dataset.name == "synthetic_linreg" and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
         if self.dataset.name not in ("synthetic_linreg", "npz") and self.model.name == "linear":
-            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs mclr, mlp or lenet5")
+            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs a classifier (mclr, mlp, lenet5, lenet5_bn or cnn_bn)")
         if self.dataset.name == "npz" and not self.dataset.path:
             raise ValueError("dataset.path: the npz dataset needs a file; set dataset.path=/path/to/data.npz")
+        if self.train.momentum and self.algorithm.name == "fednova":
+            raise ValueError("train.momentum: FedNova normalises by its own local momentum; set algorithm.momentum instead")
+        if self.pruning.method in ("structured", "hybrid") and self.model.name not in ("lenet5_bn", "cnn_bn"):
+            raise ValueError(f"pruning.method: {self.pruning.method!r} prunes BatchNorm channels; model.name="
+                             f"{self.model.name!r} has none; use model.name=lenet5_bn or cnn_bn")
+        if self.curriculum.ordering != "vanilla" and self.train.full_batch:
+            raise ValueError("curriculum.ordering: a data curriculum paces mini-batches; train.full_batch=true has none")
+        if self.pruning.method != "none" and self.model.name == "linear":
+            raise ValueError("pruning.method: Sub-FedAvg prunes classifiers; model.name=linear is a regression model")
         if n is not None and self.train.clients_per_round > n:
             raise ValueError(
                 f"train.clients_per_round: {self.train.clients_per_round} exceeds partition.num_clients="
@@ -236,6 +337,9 @@ class ExperimentConfig(_Section):
         """The settings that determine the partition (used for its content address)."""
         part = self.partition.model_dump()
         part.pop("name")
+        if part["difficulty_fraction"] is None:  # off: the keys of every earlier partition stay as they were
+            for k in ("difficulty_fraction", "difficulty_model", "difficulty_epochs"):
+                part.pop(k)
         return {"seed": self.seed, "dataset": self.dataset.model_dump(), "partition": part}
 
     def digest(self) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from flockfl.algorithms import Algorithm, RunContext, build_algorithm
-from flockfl.algorithms.base import own_model_metrics, summarise_clients
+from flockfl.algorithms.base import log_round, own_model_metrics, summarise_clients
 from flockfl.config import ConfigError, ExperimentConfig
 from flockfl.data import build_client_data, build_or_load, load_dataset, shift
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
@@ -53,6 +53,7 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     check_population(cfg, part.num_clients)
     data = build_client_data(ds, part).to(resolve_device(cfg.train.device))
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
+    model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
     ctx = RunContext(cfg, model, data, truth)
     return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads,
@@ -67,7 +68,7 @@ def check_task(cfg: ExperimentConfig, ds) -> None:
                           "(a regression task); use model.name=linear")
     if ds.task == "classification" and cfg.model.name == "linear":
         raise ConfigError(f"model.name: 'linear' is a regression model; dataset {cfg.dataset.name!r} has class labels, "
-                          "so it needs mclr, mlp or lenet5")
+                          "so it needs a classifier (mclr, mlp, lenet5, lenet5_bn or cnn_bn)")
 
 
 def check_population(cfg: ExperimentConfig, num_clients: int) -> None:
@@ -104,6 +105,8 @@ def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int) -> Tr
     finite = torch.stack([torch.isfinite(v.reshape(len(result.clients), -1).sum(1)) for v in result.params.values()]).all(0)
     if not bool(finite.all()):
         raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
+    if ctx.pruning.on:  # the client's own prune decision (Sub-FedAvg's ClientUpdate) is part of its local work
+        result = ctx.pruning.client_update(ctx, spec, result)
     return result
 
 
@@ -168,9 +171,21 @@ def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[Ser
     alg, ctx = prep.algorithm, prep.ctx
     shift.sync(ctx, state)
     clients = alg.select(state, ctx, round)
+    if ctx.curriculum.clients_on:  # a client curriculum replaces the algorithm's draw
+        clients, counts = ctx.curriculum.select(ctx, state, alg, round)
+        log_round(state, **counts)
     state = shift.apply(ctx, alg, state, round)
     state = alg.before_training(state, ctx, clients, round)
     spec = alg.local_spec(state, ctx, clients, round)
+    if ctx.cfg.train.momentum and not spec.momentum:  # train.momentum: local momentum for any algorithm
+        spec = dataclasses.replace(spec, momentum=ctx.cfg.train.momentum)
+    if ctx.pruning.on:  # each client starts from its subnetwork and trains masked
+        spec = ctx.pruning.prepare_spec(state, spec, ctx.data.train.sizes)
+    if ctx.curriculum.data_on:  # scores with the model each client received, then paced batches
+        spec, counts = ctx.curriculum.apply(ctx, state, spec, round)
+        log_round(state, **counts)
+    if ctx.curriculum.on and "curriculum" not in state.meta:
+        state.meta = {**state.meta, "curriculum": ctx.curriculum.choices()}
     maybe_crash("select", round)
     return state, spec
 
@@ -199,7 +214,12 @@ def cluster_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result
 
 def aggregate_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult,
                     assign: np.ndarray, round: int) -> ServerState:
-    new = prep.algorithm.aggregate(state, prep.ctx, spec, result, assign)
+    ctx = prep.ctx
+    sent = ctx.pruning.fill(prep.algorithm, state, result, assign) if ctx.pruning.on else result
+    new = prep.algorithm.aggregate(state, ctx, spec, sent, assign)
+    if ctx.pruning.on:
+        log_round(new, **ctx.pruning.record(new, result))
+    ctx.curriculum.remember(new, result)
     maybe_crash("aggregate", round)
     return new
 
@@ -213,7 +233,10 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
     metrics = alg.evaluate(state, ctx)
     last = round + 1 == cfg.train.rounds
     engine = state.meta.get("engine", "vectorized")
-    if cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last):
+    tune = cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last)
+    if ctx.pruning.on:  # every client with its own subnetwork, as downloaded and after local training
+        metrics.update(ctx.pruning.evaluate(prep, state, metrics, round, tune))
+    if tune:
         assign = metrics["_assignment"][ctx.seen]
         res = alg.finetune(state, ctx, ctx.seen, assign, round, engine, "finetune")
         loss, acc, n = own_model_metrics(ctx.model, res.params, ctx.data.test, ctx.seen, ctx.data.task)
@@ -275,6 +298,7 @@ class RoundWork:
     down: int = 0
     up: int = 0
     sim: float = 0.0
+    thesis: float = 0.0  # pruning: the thesis's communication figure (spec §2.8)
 
     def add(self, prep: PreparedRun, state: ServerState, clients: np.ndarray, dropped: list[int],
             result: Optional[TrainResult]) -> None:
@@ -284,6 +308,9 @@ class RoundWork:
         steps = result.num_steps if result is not None else np.zeros(0)
         self.clients += [int(c) for c in clients]
         self.dropped += list(dropped)
+        if result is not None and prep.ctx.pruning.on:  # a pruned entry is not uploaded
+            saved, thesis = prep.ctx.pruning.upload(result)
+            up, self.thesis = up - saved, self.thesis + thesis
         self.down, self.up = self.down + int(down), self.up + int(up)
         self.sim += alg.sim_round_time(state, prep.ctx, trained, steps)  # cycles run one after another
 
@@ -298,13 +325,17 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
     round's stages logged (``state.meta['round_log']``: clients shifted, migrated, ...) join
     the row.
     """
-    sim_total = (state.history[-1]["sim_time"] if state.history else 0.0) + work.sim
+    last = state.history[-1] if state.history else {}
+    sim_total = last.get("sim_time", 0.0) + work.sim
     row = {k: v for k, v in (metrics or {}).items() if not k.startswith("_")}
     meta = {k: v for k, v in state.meta.items() if k not in ("round_log", "cycle", "partial_round")}
     row.update(state.meta.get("round_log") or {})
     row.update({"round": state.round + 1, "clients": len(work.clients), "clients_dropped": len(work.dropped),
                 "bytes_down": work.down, "bytes_up": work.up, "bytes_total": work.down + work.up, "round_time_s": wall,
-                "sim_round_time": work.sim, "sim_time": sim_total})
+                "sim_round_time": work.sim, "sim_time": sim_total,
+                "comm_bytes": last.get("comm_bytes", 0) + work.down + work.up})
+    if prep.ctx.pruning.on:
+        row.update({"bytes_thesis": work.thesis, "comm_bytes_thesis": last.get("comm_bytes_thesis", 0.0) + work.thesis})
     if metrics and "_newcomers" in metrics:
         meta["newcomers"] = metrics["_newcomers"]
     assigned = metrics["_assignment"] if metrics else state.assignments
@@ -389,7 +420,9 @@ def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, A
     last = state.history[-1] if state.history else {}
     keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_finetuned", "accuracy_finetuned_min",
             "accuracy_finetuned_p10", "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10",
-            "unseen_accuracy_untuned", "ari", "nmi", "num_clusters", "min_dist", "sim_time")
+            "unseen_accuracy_untuned", "ari", "nmi", "num_clusters", "min_dist", "sim_time", "accuracy_pruned",
+            "accuracy_pruned_min", "accuracy_pruned_finetuned", "sparsity", "channel_sparsity", "comm_bytes",
+            "comm_bytes_thesis")
     metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
     times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
     return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan"),

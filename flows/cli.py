@@ -54,8 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument("--tracking-uri")
 
-    lst = sub.add_parser("list", help="experiments in params.yaml and the registered algorithms; "
-                                      "flock list ALGORITHM shows its paper, hyper-parameters and stages")
+    lst = sub.add_parser("list", help="experiments in params.yaml, the registered algorithms and the stages; "
+                                      "flock list ALGORITHM shows its paper, hyper-parameters and stages; "
+                                      "flock list curriculum|pruning shows that stage's keys")
     lst.add_argument("algorithm", nargs="?", metavar="ALGORITHM")
     lst.add_argument("--params", default="params.yaml")
     lst.add_argument("--json", action="store_true")
@@ -205,9 +206,14 @@ def cmd_list(args) -> dict:
     from flockfl.algorithms import ALGORITHMS, describe
     from flockfl.config import DATASETS, MODELS, SCHEMES, load_params
 
+    from flockfl.config import STAGES, describe_stage
+
     if args.algorithm:
+        if args.algorithm in STAGES:
+            return describe_stage(args.algorithm)
         if args.algorithm not in ALGORITHMS:
-            raise UserError(f"unknown algorithm {args.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
+            raise UserError(f"unknown algorithm or stage {args.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}, "
+                            f"or a stage: {', '.join(STAGES)}")
         return describe(args.algorithm)
 
     params = load_params(args.params)
@@ -218,6 +224,7 @@ def cmd_list(args) -> dict:
         "datasets": list(DATASETS),
         "schemes": list(SCHEMES),
         "models": list(MODELS),
+        "stages": list(STAGES),
     }
 
 

@@ -40,12 +40,123 @@ def lenet5(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) ->
     return nn.Sequential(*convs, nn.Flatten(), nn.Linear(flat, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_outputs))
 
 
+class WeightedBatchNorm2d(nn.Module):
+    """BatchNorm2d with explicit statistics, for federated cohorts.
+
+    - Training mode normalises with the batch's statistics, weighted by per-sample weights
+      (``sample_weight``; padded slots of a vectorised batch have weight 0, so a client's
+      statistics are those of its real samples and both trainers agree).
+    - Eval mode uses ``running_mean`` / ``running_var``. They are parameters that never
+      receive gradient steps (``requires_grad=False``): they travel with the model through
+      aggregation and checkpoints like any other entry. Instead of an exponential moving
+      average, every local training ends by recomputing them exactly over the client's own
+      training data (``calibrate_bn`` in flockfl.engine.trainers, "precise BN"), so a
+      client's model carries its own statistics and the server averages them.
+    """
+
+    def __init__(self, channels: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(channels))
+        self.bias = nn.Parameter(torch.zeros(channels))
+        self.running_mean = nn.Parameter(torch.zeros(channels), requires_grad=False)
+        self.running_var = nn.Parameter(torch.ones(channels), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, sample_weight: torch.Tensor | None = None, record: list | None = None) -> torch.Tensor:
+        if self.training:
+            hw = x.shape[2] * x.shape[3]
+            if sample_weight is None:
+                w = x.new_full((x.shape[0],), 1.0 / x.shape[0])
+            else:
+                w = sample_weight / sample_weight.sum().clamp_min(1e-30)
+            w = w.reshape(-1, 1, 1, 1) / hw
+            mean = (x * w).sum((0, 2, 3))
+            var = ((x - mean.reshape(1, -1, 1, 1)) ** 2 * w).sum((0, 2, 3))
+            if record is not None:
+                record.append((mean, var, x.shape[0] * hw))
+        else:
+            mean, var = self.running_mean, self.running_var
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        return x * scale.reshape(1, -1, 1, 1) + (self.bias - mean * scale).reshape(1, -1, 1, 1)
+
+
+class ConvBNNet(nn.Module):
+    """Conv → BN → ReLU → MaxPool blocks, then Linear/ReLU layers (the thesis's BN models).
+
+    ``channel_groups()`` tells structured pruning which tensors each BN channel owns: the
+    producing conv's filter and bias, the BN's γ/β/statistics, and the consumer's input
+    slice (the next conv's input channel, or the first Linear's ``spatial`` columns)."""
+
+    takes_sample_weight = True
+
+    def __init__(self, in_ch: int, convs: list[int], kernel: int, padding: int, flat_hw: int, fcs: list[int], num_outputs: int):
+        super().__init__()
+        chans = [in_ch] + convs
+        for i in range(len(convs)):
+            setattr(self, f"conv{i + 1}", nn.Conv2d(chans[i], chans[i + 1], kernel, padding=padding))
+            setattr(self, f"bn{i + 1}", WeightedBatchNorm2d(chans[i + 1]))
+        self.n_conv, self.flat_hw = len(convs), flat_hw
+        dims = [convs[-1] * flat_hw] + fcs + [num_outputs]
+        for i in range(len(dims) - 1):
+            setattr(self, f"fc{i + 1}", nn.Linear(dims[i], dims[i + 1]))
+        self.n_fc = len(dims) - 1
+
+    def forward(self, x: torch.Tensor, sample_weight: torch.Tensor | None = None, record: list | None = None) -> torch.Tensor:
+        for i in range(1, self.n_conv + 1):
+            x = getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(x), sample_weight, record)
+            x = nn.functional.max_pool2d(torch.relu(x), 2)
+        x = x.flatten(1)
+        for i in range(1, self.n_fc + 1):
+            x = getattr(self, f"fc{i}")(x)
+            if i < self.n_fc:
+                x = torch.relu(x)
+        return x
+
+    def channel_groups(self) -> list[dict]:
+        out = []
+        for i in range(1, self.n_conv + 1):
+            last = i == self.n_conv
+            out.append({"bn": f"bn{i}", "producer": f"conv{i}", "consumer": "fc1" if last else f"conv{i + 1}",
+                        "spatial": self.flat_hw if last else None})
+        return out
+
+
+def _conv_geometry(input_shape: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
+    """(in channels, kernel, padding, H·W after two conv+pool blocks) for 28×28-or-larger or 8×8 images."""
+    if len(input_shape) != 3:
+        raise ValueError(f"{name} needs C×H×W images, got input shape {input_shape}")
+    c, h, w = input_shape
+    if h >= 28:  # 5×5 valid convs, as the thesis's tables (28 → 24 → 12 → 8 → 4)
+        return c, 5, 0, ((h - 4) // 2 - 4) // 2 * (((w - 4) // 2 - 4) // 2)
+    return c, 3, 1, (h // 4) * (w // 4)  # small images (digits 8×8): 3×3 same convs
+
+
+def lenet5_bn(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
+    """LeNet-5 + BN (thesis Table 3.17 with BatchNorm2d after each conv, Chapter 4): conv 6 →
+    conv 16 → FC 120 → FC 84 → out; 16·4·4 = 256 FC inputs on 28×28, 400 on 32×32."""
+    c, k, pad, hw = _conv_geometry(input_shape, "lenet5_bn")
+    return ConvBNNet(c, [6, 16], k, pad, hw, [120, 84], num_outputs)
+
+
+def cnn_bn(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
+    """The thesis's MNIST/EMNIST "5-layer CNN" + BN (spec §2.6): conv 10 → conv 20 → FC 50 →
+    out; 21,840 weights and biases on 28×28 (plus 60 BN γ/β and 60 statistics)."""
+    c, k, pad, hw = _conv_geometry(input_shape, "cnn_bn")
+    return ConvBNNet(c, [10, 20], k, pad, hw, [50], num_outputs)
+
+
 def linear(input_shape: tuple[int, ...], num_outputs: int = 1, hidden: int = 0) -> nn.Module:
     """Linear regression without bias (IFCA's synthetic model: y = ⟨x, θ⟩)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat_dim(input_shape), num_outputs, bias=False))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "linear": linear}
+MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "linear": linear,
+                                               "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn}
+
+
+def stat_names(model: nn.Module) -> list[str]:
+    """Entries of the parameter dict that are state, not trained (BN statistics)."""
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
@@ -59,7 +170,10 @@ def init_params(model: nn.Module, generator: torch.Generator) -> dict[str, torch
     out = {}
     for name, p in model.named_parameters():
         t = torch.empty_like(p)
-        if name.endswith("bias"):
+        owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if isinstance(owner, WeightedBatchNorm2d):  # γ = 1, β = 0, mean 0, var 1 (torch's BN defaults)
+            t.fill_(1.0 if name.endswith(("weight", "running_var")) else 0.0)
+        elif name.endswith("bias"):
             fan_in = p.shape[0]
             owner = model.get_submodule(name.rsplit(".", 1)[0])
             weight = getattr(owner, "weight", None)

@@ -30,6 +30,7 @@ from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
 from flockfl.algorithms.hyper import Hyper, declared, weighting
 from flockfl.rng import np_rng, torch_generator
+from flockfl.stages import Curriculum, Pruning
 from flockfl.state import ServerState
 from flockfl.system import SystemProfile, make_profile
 from models import init_params
@@ -51,9 +52,14 @@ class RunContext:
     # (``shift.*``, flockfl/data/shift.py) changes from round to round
     base_data: ClientData = field(init=False)
     data_version: int = field(init=False, default=0)
+    # the stages that compose with every algorithm (flockfl/stages): built from cfg
+    curriculum: Curriculum = field(init=False)
+    pruning: Pruning = field(init=False)
 
     def __post_init__(self) -> None:
         self.base_data = self.data
+        self.curriculum = Curriculum(self.cfg)
+        self.pruning = Pruning(self.cfg, self.model)
         if self.system is None:
             self.system = make_profile(self.cfg.system, self.cfg.seed, self.data.num_clients)
         self.unseen = unseen_clients(self.data.num_clients, self.cfg.partition.unseen_fraction, self.cfg.seed)
@@ -248,7 +254,8 @@ class Algorithm:
             raise ValueError(f"{self.name}.finetune: clients {np.asarray(clients)[assign < 0].tolist()} have no model; "
                              "an algorithm with unassigned clients must override finetune")
         init = index_params(state.models, torch.from_numpy(assign))
-        spec = LocalSpec(np.asarray(clients, np.int64), init, t.lr, epochs, None, t.batch_size, t.full_batch, stream=stream)
+        spec = LocalSpec(np.asarray(clients, np.int64), init, t.lr, epochs, None, t.batch_size, t.full_batch, stream=stream,
+                         momentum=t.momentum)
         return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
 
     # ------------------------------------------------------------------ accounting
@@ -285,7 +292,7 @@ def train_from(ctx: RunContext, state: ServerState, start: dict[str, torch.Tenso
     t = ctx.cfg.train
     clients = np.asarray(clients, np.int64)
     init = {k: v.unsqueeze(0).expand(len(clients), *v.shape) for k, v in start.items()}
-    spec = LocalSpec(clients, init, t.lr, epochs, steps, t.batch_size, t.full_batch, stream=stream)
+    spec = LocalSpec(clients, init, t.lr, epochs, steps, t.batch_size, t.full_batch, stream=stream, momentum=t.momentum)
     trainer = TRAINERS[run_engine(ctx.cfg, state)]
     return TrainResult.concat([trainer(ctx.model, restrict(spec, slice(a, min(len(clients), a + t.shard_size))),
                                        ctx.data.train, ctx.data.task, ctx.seed, round)

@@ -608,6 +608,12 @@ def make_partition(ds: Dataset, cfg: ExperimentConfig) -> Partition:
         part.server_idx = held
     else:
         part = scheme(ds, cfg.partition, cfg.seed)
+    if cfg.partition.difficulty_fraction is not None:  # Algorithm 2: same class counts, controlled difficulty
+        from flockfl.data import difficulty
+
+        if ds.task != "classification":
+            raise ConfigError("partition.difficulty_fraction: Algorithm 2 keeps class counts; the data has no classes")
+        difficulty.apply(part, ds, cfg, cfg.seed)
     part.key = cfg.partition_key()
     part.content_hash = partition_hash(part, ds)
     return part

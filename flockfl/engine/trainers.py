@@ -47,8 +47,16 @@ class TrainResult:
             np.concatenate([p.num_samples for p in parts]),
             np.concatenate([p.num_steps for p in parts]),
             np.concatenate([p.loss for p in parts]),
-            {k: np.concatenate(v) if isinstance(v[0], np.ndarray) else v for k, v in meta.items()},
+            {k: _concat_meta(v) for k, v in meta.items()},
         )
+
+
+def _concat_meta(parts: list):
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
+    if isinstance(parts[0], dict):  # stacked tensors (the pruning snapshot, masks)
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return parts
 
 
 def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str) -> TrainResult:
@@ -58,14 +66,55 @@ def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str) -> TrainRe
     return TrainResult(np.asarray(spec.clients), params, data.sizes[spec.clients], np.zeros(n, np.int64), np.zeros(n))
 
 
+def stat_names(model: nn.Module) -> set[str]:
+    """Entries of the parameter dict that are state, not trained (BN statistics): neither
+    trainer steps them; :func:`calibrate_bn` sets them after training."""
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+@torch.no_grad()
+def calibrate_bn(model: nn.Module, params: dict[str, torch.Tensor], data: Split, clients: np.ndarray) -> None:
+    """"Precise BN": set each client's BN statistics (in place, row i for ``clients[i]``) to
+    the exact mean and unbiased variance of each BN input over the client's whole training
+    set, under its trained parameters. Shared by both trainers, so they agree."""
+    names = [n for n, p in model.named_parameters() if not p.requires_grad]
+    if not names:
+        return
+    bns = [n.rsplit(".", 1)[0] for n in names if n.endswith("running_mean")]
+    was = model.training
+    model.train()
+    try:
+        for i, cid in enumerate(clients):
+            x_c, _ = data.client(int(cid))
+            if len(x_c) == 0:
+                continue
+            record: list = []
+            functional_call(model, {k: v[i] for k, v in params.items()}, (x_c,), {"record": record})
+            for bn, (mean, var, count) in zip(bns, record):
+                params[f"{bn}.running_mean"][i] = mean
+                params[f"{bn}.running_var"][i] = var * (count / max(count - 1, 1))
+    finally:
+        model.train(was)
+
+
+def _snapshot_at(spec: LocalSpec, steps_taken: np.ndarray) -> np.ndarray | None:
+    """The step after which each client's snapshot is taken (its last step if it takes fewer)."""
+    if spec.snapshot_steps is None:
+        return None
+    return np.minimum(np.asarray(spec.snapshot_steps), steps_taken)
+
+
 def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int, round: int) -> TrainResult:
     """Plain PyTorch: one model copy per client, SGD step by step."""
     if spec.solver is not None:
         return solved(model, spec, data, task)
     batches = cohort_schedule(spec, data.sizes, seed, round)
-    finals, losses = [], []
+    frozen = stat_names(model)
+    snap_at = _snapshot_at(spec, np.array([len(b) for b in batches]))
+    finals, losses, snaps = [], [], []
     for ci, cid in enumerate(spec.clients):
         net = copy.deepcopy(model)
+        net.train()
         with torch.no_grad():
             for name, p in net.named_parameters():
                 p.copy_(spec.init[name][ci])
@@ -73,14 +122,17 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
         anchor = {n: (spec.prox_anchor or spec.init)[n][ci] for n, _ in net.named_parameters()}
         buf = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
         total = 0.0
-        for local in batches[ci]:
+        snap = None
+        for s, local in enumerate(batches[ci]):
             idx = torch.from_numpy(local)
             net.zero_grad(set_to_none=True)
             loss = per_sample_loss(net(x_c[idx]), y_c[idx], task).mean()
             loss.backward()
             with torch.no_grad():
                 for n, p in net.named_parameters():
-                    g = p.grad
+                    if n in frozen:
+                        continue
+                    g = p.grad if p.grad is not None else torch.zeros_like(p)
                     if spec.mu_of(n):
                         g = g + spec.mu_of(n) * (p - anchor[n])
                     if spec.correction is not None:
@@ -88,13 +140,22 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
                     if spec.momentum:
                         buf[n] = spec.momentum * buf[n] + g
                         g = buf[n]
+                    if spec.masks is not None and n in spec.masks:
+                        g = g * spec.masks[n][ci]
                     p.sub_(spec.lr * g)
             total += float(loss.detach())
+            if snap_at is not None and s + 1 == snap_at[ci]:
+                snap = {n: p.detach().clone() for n, p in net.named_parameters()}
         finals.append({n: p.detach().clone() for n, p in net.named_parameters()})
+        if snap_at is not None:
+            snaps.append(snap if snap is not None else finals[-1])
         losses.append(total / max(len(batches[ci]), 1))
+    params = stack(finals)
+    calibrate_bn(model, params, data, spec.clients)
+    meta = {"snapshot": stack(snaps)} if snap_at is not None and snaps else {}
     return TrainResult(
-        np.asarray(spec.clients), stack(finals), data.sizes[spec.clients],
-        np.array([len(b) for b in batches]), np.array(losses),
+        np.asarray(spec.clients), params, data.sizes[spec.clients],
+        np.array([len(b) for b in batches]), np.array(losses), meta,
     )
 
 
@@ -112,9 +173,13 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         return solved(model, spec, data, task)
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
-    layers = dense_layers(model) if method in ("auto", "dense") and not spec.has_extras else None
+    plain = not spec.has_extras and spec.masks is None and spec.snapshot_steps is None
+    layers = dense_layers(model) if method in ("auto", "dense") and plain else None
     if method == "dense" and layers is None:
-        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack and no prox/correction/momentum terms")
+        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack and no prox/correction/momentum/mask/snapshot terms")
+    steps = sched.active.sum(0).numpy()
+    snap_at = _snapshot_at(spec, steps)
+    meta: dict = {}
     index, weight = sched.index.to(device), sched.weight.to(device)
     total = torch.zeros(len(spec.clients), device=device)
     if layers is not None:
@@ -126,24 +191,44 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         params = cohort.params()
     else:
         params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
+        frozen = stat_names(model)
+        weighted = getattr(model, "takes_sample_weight", False)  # BN: batch statistics over real samples only
 
         def weighted_loss(p, x, y, w):
-            return (per_sample_loss(functional_call(model, p, (x,)), y, task) * w).sum()
+            out = functional_call(model, p, (x,), {"sample_weight": w}) if weighted else functional_call(model, p, (x,))
+            return (per_sample_loss(out, y, task) * w).sum()
 
         step = vmap(grad_and_value(weighted_loss))
         extras = _GradientTerms(spec, params, device)
-        for s in range(sched.steps):
-            g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
-            with torch.no_grad():
-                if extras.any:
-                    g = extras.apply(params, g, sched.active[s].to(device))
-                for k in params:
-                    params[k] = params[k] - spec.lr * g[k]
-            total += loss.detach()
-    steps = sched.active.sum(0).numpy()
+        masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
+        snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
+        was = model.training
+        model.train()
+        try:
+            for s in range(sched.steps):
+                g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
+                with torch.no_grad():
+                    if extras.any:
+                        g = extras.apply(params, g, sched.active[s].to(device))
+                    for k in params:
+                        if k in frozen:
+                            continue
+                        gk = g[k] * masks[k] if k in masks else g[k]
+                        params[k] = params[k] - spec.lr * gk
+                    if snap is not None:
+                        rows = torch.from_numpy(np.flatnonzero(snap_at == s + 1)).to(device)
+                        if len(rows):
+                            for k in params:
+                                snap[k][rows] = params[k][rows]
+                total += loss.detach()
+        finally:
+            model.train(was)
+        calibrate_bn(model, params, data, spec.clients)
+        if snap is not None:
+            meta["snapshot"] = snap
     return TrainResult(
         np.asarray(spec.clients), params, data.sizes[spec.clients], steps,
-        (total.cpu().numpy() / np.maximum(steps, 1)),
+        (total.cpu().numpy() / np.maximum(steps, 1)), meta,
     )
 
 

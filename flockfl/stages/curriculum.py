@@ -1,0 +1,264 @@
+"""Curricula for federated learning (thesis Chapter 2; spec ``curriculum-and-pruning.md`` §1).
+
+A stage that composes with any algorithm (config section ``curriculum``):
+
+- **Data curriculum** (Algorithm 1): at the start of each round every selected client scores
+  its own samples with the model it received (``s_G``; or its last local model, both, the
+  prediction checks, or an expert), sorts them by ``ordering`` and trains on paced prefixes:
+  local step t draws its batch from the first g(t) samples (``flockfl.engine.schedule.Pacing``).
+  The spec's ``order`` and ``pacing`` carry this to both trainers as data; the number of
+  local steps is the vanilla budget E·⌈n/B⌉.
+- **Client curriculum** (§1.5): each round the federating clients are ranked by their score
+  1/L_k (mean training loss under the global or expert model), the first g_client(t) form
+  the pool (pacing over rounds: N = the federating clients, T = ``train.rounds``), and the
+  cohort is ``train.clients_per_round`` clients drawn at random from that pool. It replaces
+  the algorithm's own selection. The three choices the seed leaves open (pool over all
+  clients; one mini-batch of clients per round; L_k computed by each client and sent as one
+  scalar) are recorded in ``state.meta['curriculum']``.
+
+Scores are recomputed every round. The pacing clock runs over each round's local steps
+(``pacing_scope=round``, Algorithm 1) or over the whole run (``global``). Ties (the binary
+``*_pred`` scores) are broken by a uniform key from the (seed, round, client, "curriculum")
+stream. The per-round ``difficulty_std`` is the mean over the cohort of the standard
+deviation of each client's per-sample losses under the scoring model (the consistency
+measure of §1.6; low std = high consistency).
+
+State: ``s_L`` needs each client's last local model; with ``local_model=persisted`` those
+rows live in ``state.algo['curriculum']`` (one model per client that has trained).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from torch.func import functional_call
+
+from flockfl.engine.functional import per_sample_loss
+from flockfl.engine.schedule import LocalSpec, Pacing, pacing_size
+from flockfl.rng import np_rng
+from flockfl.state import MAGIC, decode_state
+
+EPS = 1e-8
+
+
+class Curriculum:
+    """The ``curriculum`` section, bound to one run."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.c = cfg.curriculum
+        self._expert: Optional[dict[str, torch.Tensor]] = None
+
+    @property
+    def data_on(self) -> bool:
+        return self.c.ordering != "vanilla"
+
+    @property
+    def clients_on(self) -> bool:
+        return self.c.clients
+
+    @property
+    def on(self) -> bool:
+        return self.data_on or self.clients_on
+
+    def choices(self) -> dict:
+        """What this run decided where the seed is silent (logged with the state)."""
+        out = {"ordering": self.c.ordering, "scoring": self.c.scoring, "pacing": self.c.pacing, "a": self.c.a,
+               "b": self.c.b, "pacing_scope": self.c.pacing_scope, "pacing_literal": self.c.pacing_literal,
+               "batch_draw": "distinct samples uniformly from the paced prefix at every step",
+               "local_steps": "E·ceil(n/B) (the vanilla budget)"}
+        if self.clients_on:
+            out.update({"client_ordering": self.client_ordering, "client_scoring": self.c.client_scoring,
+                        "client_pool": "every federating client, paced over rounds (N = clients, T = train.rounds)",
+                        "client_batch": "one random mini-batch of train.clients_per_round clients from the pool per round",
+                        "client_loss": "computed by each client over its training data, sent as one scalar"})
+        return out
+
+    @property
+    def client_ordering(self) -> str:
+        return self.c.client_ordering or (self.c.ordering if self.c.ordering != "vanilla" else "curr")
+
+    # ------------------------------------------------------------------ models
+    def expert(self, ctx) -> dict[str, torch.Tensor]:
+        """θ_E as a parameter dict (loaded once from ``curriculum.expert``)."""
+        if self._expert is None:
+            self._expert = load_expert(self.c.expert, ctx.model)
+        return self._expert
+
+    # ------------------------------------------------------------------ client curriculum
+    def select(self, ctx, state, alg, round: int) -> tuple[np.ndarray, dict]:
+        """The cohort of a client-curriculum round, and the counts to log."""
+        pool_all = ctx.seen
+        if self.c.client_scoring == "s_E":
+            models = {k: v.unsqueeze(0) for k, v in self.expert(ctx).items()}
+            which = np.zeros(len(pool_all), np.int64)
+        else:
+            models = state.models
+            which = np.maximum(state.assignments[pool_all], 0)
+        loss = client_losses(ctx, models, which, pool_all)
+        score = 1.0 / (loss + EPS)
+        rng = np_rng(ctx.seed, round, purpose="client_curriculum")
+        ranked = rank(score, self.client_ordering, rng)
+        total = self.cfg.train.rounds
+        size = pacing_size(self.c.pacing, round, len(pool_all), total, self.c.a, self.c.b, self.c.pacing_literal)
+        pool = pool_all[ranked[:size]]
+        k = min(self.cfg.train.clients_per_round, len(pool))
+        cohort = np.sort(pool[rng.choice(len(pool), size=k, replace=False)])
+        return cohort, {"client_pool": int(size)}
+
+    # ------------------------------------------------------------------ data curriculum
+    def apply(self, ctx, state, spec: LocalSpec, round: int) -> tuple[LocalSpec, dict]:
+        """Give ``spec`` each client's curriculum order and the pacing; returns the counts to log."""
+        if not len(spec.clients):
+            return spec, {}
+        order, stds = [], []
+        losses = self.sample_losses(ctx, state, spec)
+        for i, c in enumerate(spec.clients):
+            rng = np_rng(ctx.seed, round, int(c), "curriculum")
+            score = losses[i]
+            stds.append(float(np.std(score[1])) if len(score[1]) else 0.0)
+            order.append(rank(score[0], self.c.ordering, rng))
+        pacing = Pacing(self.c.pacing, self.c.a, self.c.b, self.c.pacing_literal)
+        if self.c.pacing_scope == "global":
+            steps = self._budget(ctx, spec)
+            pacing = Pacing(self.c.pacing, self.c.a, self.c.b, self.c.pacing_literal, offset=round * steps,
+                            total=self.cfg.train.rounds * steps)
+        import dataclasses
+
+        return dataclasses.replace(spec, order=order, pacing=pacing), {"difficulty_std": float(np.mean(stds))}
+
+    def _budget(self, ctx, spec: LocalSpec) -> int:
+        """Local steps per round for the global clock: E·⌈n̄/B⌉ over the cohort's mean size
+        (or the fixed local steps)."""
+        if spec.steps is not None:
+            return int(spec.steps)
+        n = float(np.mean(ctx.data.train.sizes[spec.clients]))
+        return int(spec.epochs * np.ceil(n / max(1, spec.batch_size)))
+
+    def sample_losses(self, ctx, state, spec: LocalSpec) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per client: (score to rank by, higher = easier; the per-sample losses behind it)."""
+        s = self.c.scoring
+        split, task = ctx.data.train, ctx.data.task
+        received = [{k: v[i] for k, v in spec.init.items()} for i in range(len(spec.clients))]
+        out = []
+        for i, c in enumerate(spec.clients):
+            x, y = split.client(int(c))
+            if len(y) == 0:
+                out.append((np.zeros(0), np.zeros(0)))
+                continue
+            if s == "s_E":
+                lg, pg = _loss_pred(ctx, self.expert(ctx), x, y, task)
+                out.append((1.0 / (lg + EPS), lg))
+                continue
+            lg, pg = _loss_pred(ctx, received[i], x, y, task)
+            if s == "s_G":
+                out.append((1.0 / (lg + EPS), lg))
+                continue
+            if s == "s_G_pred":
+                out.append(((pg == y.cpu().numpy()).astype(float), lg))
+                continue
+            local = self.local_model(state, int(c)) or received[i]
+            ll, pl = _loss_pred(ctx, local, x, y, task)
+            if s == "s_L":
+                out.append((1.0 / (ll + EPS), ll))
+            elif s == "s_LG":
+                out.append((1.0 / ((ll + lg) / 2 + EPS), (ll + lg) / 2))
+            elif s == "s_L_pred":
+                out.append(((pl == y.cpu().numpy()).astype(float), ll))
+            else:  # s_LG_pred: hard when the local and global predictions differ
+                out.append(((pl == pg).astype(float), (ll + lg) / 2))
+        return out
+
+    # ------------------------------------------------------------------ s_L's local models
+    @property
+    def keeps_local(self) -> bool:
+        return self.data_on and self.c.scoring in ("s_L", "s_LG", "s_L_pred", "s_LG_pred") and self.c.local_model == "persisted"
+
+    def local_model(self, state, client: int) -> Optional[dict[str, torch.Tensor]]:
+        store = (state.algo.get("curriculum") or {})
+        if not self.keeps_local or "row" not in store:
+            return None
+        row = int(store["row"][client])
+        return None if row < 0 else {k: v[row] for k, v in store["models"].items()}
+
+    def remember(self, state, result) -> None:
+        """Keep each trained client's final local model (for s_L next time it is selected)."""
+        if not self.keeps_local:
+            return
+        n = len(state.assignments)
+        store = dict(state.algo.get("curriculum") or {})
+        row = store.get("row", np.full(n, -1, np.int64)).copy()
+        models = dict(store.get("models") or {k: v[:0].clone() for k, v in result.params.items()})
+        for i, c in enumerate(result.clients):
+            if row[c] < 0:
+                row[c] = next(iter(models.values())).shape[0]
+                models = {k: torch.cat([v, result.params[k][i : i + 1].detach().cpu()]) for k, v in models.items()}
+            else:
+                for k in models:
+                    models[k][row[c]] = result.params[k][i].detach().cpu()
+        state.algo = {**state.algo, "curriculum": {"row": row, "models": models}}
+
+
+def rank(score: np.ndarray, ordering: str, rng: np.random.Generator) -> np.ndarray:
+    """Indices in curriculum order: ``curr`` highest score (easiest) first, ``anti`` lowest
+    first, ``random`` a permutation; ties broken by a uniform key from ``rng``."""
+    n = len(score)
+    tie = rng.random(n)
+    if ordering == "random":
+        return rng.permutation(n)
+    if ordering == "anti":
+        return np.lexsort((tie, score))
+    return np.lexsort((tie, -score))
+
+
+@torch.no_grad()
+def _loss_pred(ctx, params: dict[str, torch.Tensor], x, y, task) -> tuple[np.ndarray, np.ndarray]:
+    out = functional_call(ctx.model, params, (x,))
+    loss = per_sample_loss(out, y, task).cpu().numpy().astype(np.float64)
+    pred = out.argmax(-1).cpu().numpy() if task == "classification" else np.zeros(len(y))
+    return loss, pred
+
+
+@torch.no_grad()
+def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clients: np.ndarray) -> np.ndarray:
+    """L_k (Eq. 2.1): each client's mean training loss under model ``which[i]``."""
+    from flockfl.algorithms.base import own_cluster_metrics
+
+    loss, _, _ = own_cluster_metrics(ctx.model, models, which, ctx.data.train, clients, ctx.data.task)
+    return loss
+
+
+def load_expert(source: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """θ_E from an MLflow model URI (``models:/``, ``runs:/``), a flockfl checkpoint or a
+    ``.pt`` parameter dict; a one-line error when it cannot be read or does not fit."""
+    from flockfl.config import ConfigError
+
+    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if source == "global":
+        raise ConfigError("curriculum.expert: s_E needs an expert model; set curriculum.expert to an MLflow model URI "
+                          "(models:/NAME/VERSION) or a .pt file, or use scoring=s_G")
+    try:
+        if source.startswith(("models:/", "runs:/")):
+            import mlflow.pytorch
+
+            net = mlflow.pytorch.load_model(source, map_location="cpu")
+            params = {n: p.detach() for n, p in net.named_parameters()}
+        else:
+            path = Path(source)
+            raw = path.read_bytes()
+            if raw.startswith(MAGIC):  # a flockfl checkpoint: its (first) model
+                params = {k: v[0] for k, v in decode_state(raw, str(path)).models.items()}
+            else:
+                params = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - one line for the user, whatever the loader raised
+        raise ConfigError(f"curriculum.expert: cannot load {source!r} ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
+                          "give an MLflow model URI or a .pt file of this model's parameters") from None
+    got = {n: tuple(v.shape) for n, v in params.items()}
+    if got != want:
+        raise ConfigError(f"curriculum.expert: {source!r} does not fit model.name (parameters {sorted(got)[:3]}… vs "
+                          f"{sorted(want)[:3]}…); train the expert with the same model")
+    device = next(model.parameters()).device
+    return {k: v.to(device=device, dtype=torch.float32) for k, v in params.items()}

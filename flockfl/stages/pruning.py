@@ -1,0 +1,344 @@
+"""Sub-FedAvg: personalised subnetworks by pruning (thesis Chapter 4; spec §2), for any algorithm.
+
+Config section ``pruning``; ``method``:
+
+- ``unstructured`` (Algorithm 10): magnitude pruning of every conv and linear weight.
+- ``structured``: channel pruning by the BatchNorm scaling factors |γ| (Network Slimming).
+- ``hybrid`` (Algorithm 11): channels on the conv layers, magnitude pruning on the linear
+  layers; the two decisions are independent.
+
+One round for a selected client k (both trainers, the same code):
+
+1. It starts from its model ⊙ its mask (the server's model of its cluster, restricted to
+   its subnetwork), and trains with every update multiplied by the mask, so a pruned weight
+   stays 0 and **a mask never revives a weight**.
+2. Candidate masks come from the parameters after the first epoch (``m_fe``) and after the
+   last (``m_le``): per layer, the ``rate`` share of the still-alive weights with the
+   smallest |w| (channels: of the layer's alive channels with the smallest |γ|, at least
+   one kept). The last event is shrunk so the target is met exactly (the authors' code).
+3. With Δ the mean over layers of the normalised Hamming distance between ``m_fe`` and
+   ``m_le``, the client applies ``m_le`` when its accuracy is at least ``acc_threshold``,
+   its pruned share is below the target, and Δ ≥ the threshold. The accuracy gate is taken
+   on the masked model after training (``acc_gate=after_mask``, the code) or on the
+   received model (``before_training``, the seed's Algorithm 10), on the client's test data
+   (the code's ``split_test=False``).
+4. It sends the masked parameters and its mask.
+
+The server then averages each entry over the clients of its cluster that keep it, with the
+algorithm's client weights; an entry no client kept stays as it was (§2.5, the code's
+per-coordinate masked mean). This is done before the algorithm's own aggregation by filling
+each client's pruned entries with its cluster's keeper mean: any aggregation that is a
+weighted mean within clusters (FedAvg, FedProx, SCAFFOLD, IFCA, PACFL, …) then gives the
+masked mean exactly, without touching the algorithm.
+
+BatchNorm (the ``lenet5_bn`` and ``cnn_bn`` models): γ and β are parameters, averaged over
+the clients that keep their channel. The statistics are personal: a client recomputes them
+over its own training data after every local training and whenever it evaluates its
+subnetwork; the server averages the ones it receives, over the keepers, for the models it
+reports itself.
+
+State (``state.algo['pruning']``): every client's weight masks and channel masks (bool),
+and how many prune events it applied. Communication: a pruned entry is not sent; the upload
+carries the kept entries and a one-bit-per-entry mask (``bytes_up``), the download is dense.
+The thesis's own figure, 32·|W| + 32·(1−p)|W| + 1·p|W| bits per client and round (§2.8), is
+logged beside it as ``bytes_thesis``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import torch
+
+from flockfl.engine.schedule import LocalSpec
+from flockfl.engine.trainers import calibrate_bn, stat_names
+
+
+def thesis_comm_bytes(params: int, pruned_share: float, rounds: int, clients_per_round: int) -> float:
+    """Cost = R·K·(32|W| + 32(1−p)|W| + 1·p|W|)/8 bytes (spec §2.8's exact reconstruction)."""
+    bits = 32 * params + 32 * (1 - pruned_share) * params + pruned_share * params
+    return rounds * clients_per_round * bits / 8
+
+
+def hamming(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of differing entries."""
+    return float((a != b).float().mean()) if a.numel() else 0.0
+
+
+class Pruning:
+    """The ``pruning`` section, bound to one run's model."""
+
+    def __init__(self, cfg, model: torch.nn.Module):
+        self.cfg = cfg
+        self.p = cfg.pruning
+        self.method = self.p.method
+        frozen = stat_names(model)
+        named = dict(model.named_parameters())
+        self.trainable = [n for n in named if n not in frozen]
+        self.weights = [n for n in self.trainable if named[n].dim() >= 2]
+        linear = [n for n in self.weights if named[n].dim() == 2]
+        self.unstructured = {"unstructured": self.weights, "hybrid": linear}.get(self.method, [])
+        self.groups = model.channel_groups() if self.method in ("structured", "hybrid") else []
+        self.shapes = {n: tuple(p.shape) for n, p in named.items()}
+        self.masked = sorted(set(self.unstructured) | {n for g in self.groups for n in self._owned(g)})
+        self.eps_us = self.p.mask_threshold if self.p.mask_threshold is not None else (
+            0.05 if self.method == "hybrid" else 1e-4)
+
+    @property
+    def on(self) -> bool:
+        return self.method != "none"
+
+    def _owned(self, g: dict) -> list[str]:
+        bn, prod = g["bn"], g["producer"]
+        return [f"{prod}.weight", f"{prod}.bias", f"{bn}.weight", f"{bn}.bias", f"{bn}.running_mean",
+                f"{bn}.running_var", f"{g['consumer']}.weight"]
+
+    # ------------------------------------------------------------------ state
+    def store(self, state) -> dict:
+        if "pruning" not in state.algo:
+            n = len(state.assignments)
+            state.algo = {**state.algo, "pruning": {
+                "weights": {k: torch.ones(n, *self.shapes[k], dtype=torch.bool) for k in self.unstructured},
+                "channels": {g["bn"]: torch.ones(n, self.shapes[f"{g['bn']}.weight"][0], dtype=torch.bool)
+                             for g in self.groups},
+                "events": np.zeros(n, np.int64)}}
+        return state.algo["pruning"]
+
+    def rows(self, state, clients: np.ndarray) -> tuple[dict, dict]:
+        st = self.store(state)
+        idx = torch.from_numpy(np.asarray(clients, np.int64))
+        return {k: v[idx] for k, v in st["weights"].items()}, {k: v[idx] for k, v in st["channels"].items()}
+
+    def full_masks(self, weights: dict, channels: dict) -> dict[str, torch.Tensor]:
+        """Float 0/1 masks of every masked parameter from the weight and channel masks."""
+        out = {k: v.float() for k, v in weights.items()}
+        c = next(iter({**weights, **channels}.values())).shape[0] if (weights or channels) else 0
+        for g in self.groups:
+            cm = channels[g["bn"]].float()  # [C, o]
+            for name in self._owned(g)[:-1]:
+                shape = self.shapes[name]
+                m = cm.reshape(c, shape[0], *([1] * (len(shape) - 1))).expand(c, *shape)
+                out[name] = out[name] * m if name in out else m.clone()
+            cons = f"{g['consumer']}.weight"
+            shape = self.shapes[cons]
+            if g["spatial"] is None:  # the next conv's input channels
+                m = cm.reshape(c, 1, shape[1], *([1] * (len(shape) - 2))).expand(c, *shape)
+            else:  # the first linear layer's inputs: `spatial` columns per channel (channel-major flatten)
+                m = cm.repeat_interleave(g["spatial"], dim=1).reshape(c, 1, shape[1]).expand(c, *shape)
+            out[cons] = out[cons] * m if cons in out else m.clone()
+        return out
+
+    # ------------------------------------------------------------------ the round
+    def prepare_spec(self, state, spec: LocalSpec, sizes: np.ndarray) -> LocalSpec:
+        """Each selected client starts from its model ⊙ its mask, trains masked, and records
+        its parameters after its first epoch."""
+        if not len(spec.clients):
+            return spec
+        w, ch = self.rows(state, spec.clients)
+        masks = self.full_masks(w, ch)
+        init = {k: (v * masks[k] if k in masks else v) for k, v in spec.init.items()}
+        n = sizes[spec.clients]
+        first = np.ones(len(n), np.int64) if spec.full_batch else np.maximum(1, -(-n // max(1, spec.batch_size)))
+        return dataclasses.replace(spec, init=init, masks=masks, snapshot_steps=first,
+                                   meta={**(spec.meta or {}), "pruning_start": init, "pruning_weights": w,
+                                         "pruning_channels": ch})
+
+    def client_update(self, ctx, spec: LocalSpec, result):
+        """Steps 2–4 above for every client of a trained shard; returns the result with the
+        masked parameters and each client's new masks in ``meta``."""
+        params = {k: v.clone() for k, v in result.params.items()}
+        snap = result.meta["snapshot"]
+        clients = result.clients
+        w_old, ch_old = self.rows_from_spec(spec)
+        w_fe, ch_fe, w_le, ch_le = {}, {}, {}, {}
+        frac_w = self._pruned_share(w_old, len(clients))
+        frac_c = self._pruned_share(ch_old, len(clients))
+        q_w = np.where(frac_w < self.p.target, np.minimum(self.p.rate, (self.p.target - frac_w) / np.maximum(1 - frac_w, 1e-12)), 0.0)
+        q_c = np.where(frac_c < self.p.channel_target,
+                       np.minimum(self.p.channel_rate, (self.p.channel_target - frac_c) / np.maximum(1 - frac_c, 1e-12)), 0.0)
+        for k in self.unstructured:
+            w_fe[k] = magnitude_masks(snap[k], w_old[k], q_w)
+            w_le[k] = magnitude_masks(params[k], w_old[k], q_w)
+        for g in self.groups:
+            bn = g["bn"]
+            ch_fe[bn] = magnitude_masks(snap[f"{bn}.weight"], ch_old[bn], q_c, keep_one=True)
+            ch_le[bn] = magnitude_masks(params[f"{bn}.weight"], ch_old[bn], q_c, keep_one=True)
+        n = len(clients)
+        d_us = np.array([np.mean([hamming(w_fe[k][i], w_le[k][i]) for k in self.unstructured]) if self.unstructured else 0.0
+                         for i in range(n)])
+        d_s = np.array([np.mean([hamming(ch_fe[b][i], ch_le[b][i]) for b in ch_le]) if ch_le else 0.0 for i in range(n)])
+        want_w = (frac_w < self.p.target) & (d_us >= self.eps_us) & bool(self.unstructured)
+        want_c = (frac_c < self.p.channel_target) & (d_s >= self.p.channel_threshold) & bool(self.groups)
+        # the accuracy gate
+        if self.p.acc_gate == "before_training":
+            start = {k: v.clone() for k, v in spec.meta["pruning_start"].items()}
+            acc = self._accuracy(ctx, start, clients)
+        else:
+            cand_w = {k: torch.where(_rows(want_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
+            cand_c = {k: torch.where(_rows(want_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
+            acc = self._accuracy(ctx, self._masked(params, cand_w, cand_c), clients)
+        ok = acc >= self.p.acc_threshold
+        apply_w, apply_c = want_w & ok, want_c & ok
+        new_w = {k: torch.where(_rows(apply_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
+        new_c = {k: torch.where(_rows(apply_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
+        params = self._masked(params, new_w, new_c)
+        calibrate_bn(ctx.model, params, ctx.data.train, clients)
+        meta = {**{k: v for k, v in result.meta.items() if k != "snapshot"},
+                "prune_weights": new_w, "prune_channels": new_c, "pruned_now": (apply_w | apply_c),
+                "mask_distance": d_us, "channel_mask_distance": d_s, "prune_gate_accuracy": acc}
+        return dataclasses.replace(result, params=params, meta=meta)
+
+    def rows_from_spec(self, spec: LocalSpec) -> tuple[dict, dict]:
+        """The clients' current weight and channel masks (put in the spec by prepare_spec)."""
+        return dict(spec.meta["pruning_weights"]), dict(spec.meta["pruning_channels"])
+
+    def _masked(self, params: dict, weights: dict, channels: dict) -> dict:
+        masks = self.full_masks(weights, channels)
+        return {k: (v * masks[k] if k in masks else v.clone()) for k, v in params.items()}
+
+    def _accuracy(self, ctx, params: dict, clients: np.ndarray) -> np.ndarray:
+        from flockfl.algorithms.base import own_model_metrics
+
+        params = {k: v.clone() for k, v in params.items()}
+        calibrate_bn(ctx.model, params, ctx.data.train, clients)
+        _, acc, _ = own_model_metrics(ctx.model, params, ctx.data.test, clients, ctx.data.task)
+        return acc
+
+    @staticmethod
+    def _pruned_share(masks: dict, n: int) -> np.ndarray:
+        if not masks:
+            return np.zeros(n)
+        kept = sum(v.reshape(v.shape[0], -1).sum(1).double() for v in masks.values())
+        total = sum(v[0].numel() for v in masks.values())
+        return (1 - kept / total).numpy()
+
+    # ------------------------------------------------------------------ server side
+    def fill(self, alg, state, result, assign: np.ndarray):
+        """Each client's pruned entries set to its cluster's keeper mean (the server's value
+        where no member keeps the entry), so the algorithm's weighted mean is the masked mean."""
+        masks = self.full_masks(result.meta["prune_weights"], result.meta["prune_channels"])
+        params = {k: v.clone() for k, v in result.params.items()}
+        for j in np.unique(assign):
+            if j < 0:
+                continue
+            members = np.flatnonzero(assign == j)
+            w = alg.weights(result, members).to(torch.float64)
+            pos = torch.from_numpy(members)
+            for k, m in masks.items():
+                mk = m[pos].double()
+                theta = result.params[k][pos].double()
+                shape = (-1,) + (1,) * (theta.dim() - 1)
+                den = (w.reshape(shape) * mk).sum(0)
+                num = (w.reshape(shape) * mk * theta).sum(0)
+                server = state.models[k][int(j)].double()
+                mean = torch.where(den > 0, num / den.clamp_min(1e-300), server)
+                params[k][pos] = (mk * theta + (1 - mk) * mean).to(params[k].dtype)
+        return dataclasses.replace(result, params=params)
+
+    def record(self, state, result) -> dict:
+        """Store the trained clients' new masks; returns the round's counts to log."""
+        st = self.store(state)
+        idx = torch.from_numpy(np.asarray(result.clients, np.int64))
+        weights = {k: v.clone() for k, v in st["weights"].items()}
+        channels = {k: v.clone() for k, v in st["channels"].items()}
+        for k in weights:
+            weights[k][idx] = result.meta["prune_weights"][k].cpu()
+        for k in channels:
+            channels[k][idx] = result.meta["prune_channels"][k].cpu()
+        events = st["events"].copy()
+        events[result.clients] += result.meta["pruned_now"].astype(np.int64)
+        state.algo = {**state.algo, "pruning": {"weights": weights, "channels": channels, "events": events}}
+        out = {"clients_pruned": int(result.meta["pruned_now"].sum())}
+        if self.unstructured:
+            out["mask_distance"] = float(np.mean(result.meta["mask_distance"]))
+        if self.groups:
+            out["channel_mask_distance"] = float(np.mean(result.meta["channel_mask_distance"]))
+        return out
+
+    # ------------------------------------------------------------------ accounting
+    def sparsity(self, state, clients: np.ndarray) -> dict[str, float]:
+        """Mean over ``clients`` of the share of conv/linear weights their masks prune (and
+        of BN channels, for structured and hybrid)."""
+        w, ch = self.rows(state, clients)
+        full = self.full_masks(w, ch)
+        total = sum(math.prod(self.shapes[k]) for k in self.weights)
+        kept = sum((full[k].reshape(len(clients), -1).sum(1).double() if k in full
+                    else torch.full((len(clients),), float(math.prod(self.shapes[k])), dtype=torch.float64))
+                   for k in self.weights)
+        out = {"sparsity": float((1 - kept / total).mean())}
+        if self.groups:
+            out["channel_sparsity"] = float(np.mean(self._pruned_share(ch, len(clients))))
+        return out
+
+    def upload(self, result) -> tuple[int, float]:
+        """(bytes saved on the upload against a dense model, the thesis's bytes) of a round's
+        trained clients: a pruned entry is not sent, the mask costs one bit per masked entry."""
+        masks = self.full_masks(result.meta["prune_weights"], result.meta["prune_channels"])
+        elem = next(iter(result.params.values())).element_size()
+        masked_entries = sum(math.prod(self.shapes[k]) for k in masks)
+        trainable = sum(math.prod(self.shapes[k]) for k in self.trainable)
+        saved, thesis = 0, 0.0
+        for i in range(len(result.clients)):
+            pruned = sum(int((m[i] == 0).sum()) for m in masks.values())
+            pruned_trainable = sum(int((masks[k][i] == 0).sum()) for k in masks if k in self.trainable)
+            saved += elem * pruned - math.ceil(masked_entries / 8)
+            thesis += thesis_comm_bytes(trainable, pruned_trainable / trainable, 1, 1)
+        return saved, thesis
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, prep, state, metrics: dict, round: int, finetune: bool) -> dict:
+        """Each federating client with its own subnetwork (its model ⊙ its mask, with its own
+        BN statistics): ``accuracy_pruned``; after ``train.finetune_epochs`` of masked local
+        training: ``accuracy_pruned_finetuned``; and the sparsity reached."""
+        from flockfl.algorithms.base import own_model_metrics, summarise_clients
+        from flockfl.engine import TRAINERS
+        from flockfl.engine.functional import index_params
+
+        ctx, t = prep.ctx, prep.cfg.train
+        seen = ctx.seen
+        assign = np.maximum(np.asarray(metrics["_assignment"])[seen], 0)
+        w, ch = self.rows(state, seen)
+        masks = self.full_masks(w, ch)
+        params = index_params(state.models, torch.from_numpy(assign))
+        params = {k: (v * masks[k] if k in masks else v.clone()) for k, v in params.items()}
+        calibrate_bn(ctx.model, params, ctx.data.train, seen)
+        loss, acc, n = own_model_metrics(ctx.model, params, ctx.data.test, seen, ctx.data.task)
+        out = summarise_clients(loss, acc, n, ctx.data.task, "_pruned")
+        if finetune:
+            epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
+            spec = LocalSpec(seen, params, t.lr, epochs, None, t.batch_size, t.full_batch, masks=masks, stream="finetune",
+                             momentum=t.momentum)
+            res = TRAINERS[state.meta.get("engine", "vectorized")](ctx.model, spec, ctx.data.train, ctx.data.task,
+                                                                   ctx.seed, round)
+            loss, acc, n = own_model_metrics(ctx.model, res.params, ctx.data.test, seen, ctx.data.task)
+            out.update(summarise_clients(loss, acc, n, ctx.data.task, "_pruned_finetuned"))
+        out.update(self.sparsity(state, seen))
+        return out
+
+
+def _rows(flags: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """Per-client flags broadcast over a stacked tensor."""
+    return torch.from_numpy(np.asarray(flags, bool)).reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def magnitude_masks(values: torch.Tensor, alive: torch.Tensor, share: np.ndarray, keep_one: bool = False) -> torch.Tensor:
+    """Per client (leading axis): ``alive`` with a further ``share[i]`` of its alive entries
+    removed, those with the smallest |value| (ties: the lower index first). Never revives."""
+    out = alive.clone()
+    c = values.shape[0]
+    flat_v = values.detach().abs().reshape(c, -1).cpu()
+    flat_a = alive.reshape(c, -1)
+    flat_o = out.reshape(c, -1)
+    for i in range(c):
+        n_alive = int(flat_a[i].sum())
+        k = int(math.floor(share[i] * n_alive + 1e-9))
+        if keep_one:
+            k = min(k, n_alive - 1)
+        if k <= 0:
+            continue
+        score = torch.where(flat_a[i], flat_v[i].double(), torch.full_like(flat_v[i], float("inf"), dtype=torch.float64))
+        drop = torch.sort(score, stable=True).indices[:k]
+        flat_o[i, drop] = False
+    return out
