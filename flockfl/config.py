@@ -186,8 +186,8 @@ class CurriculumConfig(_Section):
     client_ordering: Optional[Literal["curr", "anti", "random"]] = Field(
         None, description="order of the clients (null: the data ordering, or curr when that is vanilla)")
     client_scoring: Literal["s_G", "s_E"] = Field("s_G", description="client score 1/L_k under the global (s_G) or expert (s_E) model")
-    expert: str = Field("global", description="the expert model of s_E: global (the current global model), an MLflow "
-                                              "model URI (models:/NAME/VERSION, runs:/ID/model_0) or a .pt file")
+    expert: str = Field("global", description="the expert model of s_E: global (the current server model, so s_E = s_G), "
+                                              "an MLflow model URI (models:/NAME/VERSION, runs:/ID/model_0) or a .pt file")
     local_model: Literal["persisted", "received"] = Field(
         "persisted", description="s_L's local model: the client's model from its last participation (the received one "
                                  "until it has one), or always the received one")
@@ -313,6 +313,10 @@ class ExperimentConfig(_Section):
                              f"{self.model.name!r} has none; use model.name=lenet5_bn or cnn_bn")
         if self.curriculum.ordering != "vanilla" and self.train.full_batch:
             raise ValueError("curriculum.ordering: a data curriculum paces mini-batches; train.full_batch=true has none")
+        expert = self.curriculum.expert
+        if expert != "global" and not expert.startswith(("models:/", "runs:/")) and not Path(expert).is_file():
+            raise ValueError(f"curriculum.expert: no file {expert!r}; give a .pt file, an MLflow model URI "
+                             "(models:/NAME/VERSION) or global")
         if self.pruning.method != "none" and self.model.name == "linear":
             raise ValueError("pruning.method: Sub-FedAvg prunes classifiers; model.name=linear is a regression model")
         if n is not None and self.train.clients_per_round > n:

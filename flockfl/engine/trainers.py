@@ -122,7 +122,7 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
         anchor = {n: (spec.prox_anchor or spec.init)[n][ci] for n, _ in net.named_parameters()}
         buf = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
         total = 0.0
-        snap = None
+        snap = {n: p.detach().clone() for n, p in net.named_parameters()} if snap_at is not None and snap_at[ci] == 0 else None
         for s, local in enumerate(batches[ci]):
             idx = torch.from_numpy(local)
             net.zero_grad(set_to_none=True)

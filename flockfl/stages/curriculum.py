@@ -92,7 +92,7 @@ class Curriculum:
     def select(self, ctx, state, alg, round: int) -> tuple[np.ndarray, dict]:
         """The cohort of a client-curriculum round, and the counts to log."""
         pool_all = ctx.seen
-        if self.c.client_scoring == "s_E":
+        if self.c.client_scoring == "s_E" and self.c.expert != "global":
             models = {k: v.unsqueeze(0) for k, v in self.expert(ctx).items()}
             which = np.zeros(len(pool_all), np.int64)
         else:
@@ -131,11 +131,11 @@ class Curriculum:
         return dataclasses.replace(spec, order=order, pacing=pacing), {"difficulty_std": float(np.mean(stds))}
 
     def _budget(self, ctx, spec: LocalSpec) -> int:
-        """Local steps per round for the global clock: E·⌈n̄/B⌉ over the cohort's mean size
-        (or the fixed local steps)."""
+        """Local steps per round for the global clock: E·⌈n̄/B⌉ with n̄ the mean size of the
+        federating clients (the same every round), or the fixed local steps."""
         if spec.steps is not None:
             return int(spec.steps)
-        n = float(np.mean(ctx.data.train.sizes[spec.clients]))
+        n = float(np.mean(ctx.data.train.sizes[ctx.seen]))
         return int(spec.epochs * np.ceil(n / max(1, spec.batch_size)))
 
     def sample_losses(self, ctx, state, spec: LocalSpec) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -149,12 +149,12 @@ class Curriculum:
             if len(y) == 0:
                 out.append((np.zeros(0), np.zeros(0)))
                 continue
-            if s == "s_E":
+            if s == "s_E" and self.c.expert != "global":
                 lg, pg = _loss_pred(ctx, self.expert(ctx), x, y, task)
                 out.append((1.0 / (lg + EPS), lg))
                 continue
             lg, pg = _loss_pred(ctx, received[i], x, y, task)
-            if s == "s_G":
+            if s in ("s_G", "s_E"):  # s_E with expert=global: the current server model, i.e. s_G
                 out.append((1.0 / (lg + EPS), lg))
                 continue
             if s == "s_G_pred":

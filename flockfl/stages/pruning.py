@@ -12,8 +12,8 @@ One round for a selected client k (both trainers, the same code):
 1. It starts from its model ⊙ its mask (the server's model of its cluster, restricted to
    its subnetwork), and trains with every update multiplied by the mask, so a pruned weight
    stays 0 and **a mask never revives a weight**.
-2. Candidate masks come from the parameters after the first epoch (``m_fe``) and after the
-   last (``m_le``): per layer, the ``rate`` share of the still-alive weights with the
+2. Candidate masks come from the parameters after the first epoch (``m_fe``; after the first
+   fifth of the steps when one epoch is the whole budget) and after the last (``m_le``): per layer, the ``rate`` share of the still-alive weights with the
    smallest |w| (channels: of the layer's alive channels with the smallest |γ|, at least
    one kept). The last event is shrunk so the target is met exactly (the authors' code).
 3. With Δ the mean over layers of the normalised Hamming distance between ``m_fe`` and
@@ -139,8 +139,7 @@ class Pruning:
         w, ch = self.rows(state, spec.clients)
         masks = self.full_masks(w, ch)
         init = {k: (v * masks[k] if k in masks else v) for k, v in spec.init.items()}
-        n = sizes[spec.clients]
-        first = np.ones(len(n), np.int64) if spec.full_batch else np.maximum(1, -(-n // max(1, spec.batch_size)))
+        first = first_mask_steps(spec, sizes)
         return dataclasses.replace(spec, init=init, masks=masks, snapshot_steps=first,
                                    meta={**(spec.meta or {}), "pruning_start": init, "pruning_weights": w,
                                          "pruning_channels": ch})
@@ -180,7 +179,11 @@ class Pruning:
             cand_c = {k: torch.where(_rows(want_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
             acc = self._accuracy(ctx, self._masked(params, cand_w, cand_c), clients)
         ok = acc >= self.p.acc_threshold
-        apply_w, apply_c = want_w & ok, want_c & ok
+        # an event counts only if it removes something (per-layer floors can leave a shortfall
+        # of under one weight per layer that no further event closes)
+        changed_w = _changed(w_le, w_old, n)
+        changed_c = _changed(ch_le, ch_old, n)
+        apply_w, apply_c = want_w & ok & changed_w, want_c & ok & changed_c
         new_w = {k: torch.where(_rows(apply_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
         new_c = {k: torch.where(_rows(apply_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
         params = self._masked(params, new_w, new_c)
@@ -272,19 +275,26 @@ class Pruning:
             out["channel_sparsity"] = float(np.mean(self._pruned_share(ch, len(clients))))
         return out
 
+    def thesis_params(self) -> list[str]:
+        """|W| of the thesis's formula: the conv and linear weights and biases (BN left out,
+        as its 21,840 for the MNIST CNN)."""
+        bn = {g["bn"] for g in self.groups} | {n.rsplit(".", 1)[0] for n in self.shapes if n.endswith("running_mean")}
+        return [n for n in self.trainable if n.rsplit(".", 1)[0] not in bn]
+
     def upload(self, result) -> tuple[int, float]:
         """(bytes saved on the upload against a dense model, the thesis's bytes) of a round's
         trained clients: a pruned entry is not sent, the mask costs one bit per masked entry."""
         masks = self.full_masks(result.meta["prune_weights"], result.meta["prune_channels"])
         elem = next(iter(result.params.values())).element_size()
         masked_entries = sum(math.prod(self.shapes[k]) for k in masks)
-        trainable = sum(math.prod(self.shapes[k]) for k in self.trainable)
+        layers = self.thesis_params()
+        size = sum(math.prod(self.shapes[k]) for k in layers)
         saved, thesis = 0, 0.0
         for i in range(len(result.clients)):
             pruned = sum(int((m[i] == 0).sum()) for m in masks.values())
-            pruned_trainable = sum(int((masks[k][i] == 0).sum()) for k in masks if k in self.trainable)
+            pruned_w = sum(int((masks[k][i] == 0).sum()) for k in masks if k in layers)
             saved += elem * pruned - math.ceil(masked_entries / 8)
-            thesis += thesis_comm_bytes(trainable, pruned_trainable / trainable, 1, 1)
+            thesis += thesis_comm_bytes(size, pruned_w / size, 1, 1)
         return saved, thesis
 
     # ------------------------------------------------------------------ evaluation
@@ -316,6 +326,29 @@ class Pruning:
             out.update(summarise_clients(loss, acc, n, ctx.data.task, "_pruned_finetuned"))
         out.update(self.sparsity(state, seen))
         return out
+
+
+def _changed(new: dict, old: dict, n: int) -> np.ndarray:
+    """Per client: does any of the stacked masks differ?"""
+    out = np.zeros(n, bool)
+    for k in new:
+        out |= (new[k] != old[k]).reshape(n, -1).any(1).cpu().numpy()
+    return out
+
+
+def first_mask_steps(spec: LocalSpec, sizes: np.ndarray) -> np.ndarray:
+    """The step after which each client takes its first-epoch mask: the end of its first local
+    epoch; when one epoch is the whole budget (E = 1, or fixed ``local_steps``), after the first
+    fifth of its steps instead (the authors' code compares epoch 1 with epoch 5), so the two masks
+    can still differ."""
+    out = np.zeros(len(spec.clients), np.int64)
+    for i, c in enumerate(spec.clients):
+        n = int(sizes[c])
+        epochs, steps = spec.work_of(i)
+        per_epoch = 1 if spec.full_batch else max(1, -(-n // max(1, min(spec.batch_size, max(n, 1)))))
+        total = steps if steps is not None else epochs * per_epoch
+        out[i] = per_epoch if (steps is None and epochs >= 2) else max(1, -(-total // 5))
+    return out
 
 
 def _rows(flags: np.ndarray, like: torch.Tensor) -> torch.Tensor:
