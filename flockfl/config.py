@@ -168,7 +168,7 @@ class ShiftConfig(_Section):
 
 
 class CurriculumConfig(_Section):
-    """Data and client curricula (thesis Chapter 2, ``flockfl/stages/curriculum.py``), for any
+    """Data and client curricula (thesis Chapter 2, ``flockfl/curriculum/stage.py``), for any
     algorithm. Off by default (``ordering=vanilla`` and ``clients=false``)."""
 
     ordering: Literal["vanilla", "curr", "anti", "random"] = Field(
@@ -194,7 +194,7 @@ class CurriculumConfig(_Section):
 
 
 class PruningConfig(_Section):
-    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/stages/pruning.py``), for any algorithm.
+    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/pruning/stage.py``), for any algorithm.
     Off by default (``method=none``)."""
 
     method: Literal["none", "unstructured", "structured", "hybrid"] = Field(

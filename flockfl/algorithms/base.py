@@ -30,7 +30,8 @@ from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
 from flockfl.algorithms.hyper import Hyper, declared, weighting
 from flockfl.rng import np_rng, torch_generator
-from flockfl.stages import Curriculum, Pruning
+from flockfl.curriculum.stage import Curriculum
+from flockfl.pruning.stage import Pruning
 from flockfl.state import ServerState
 from flockfl.system import SystemProfile, make_profile
 from models import init_params
@@ -52,7 +53,7 @@ class RunContext:
     # (``shift.*``, flockfl/data/shift.py) changes from round to round
     base_data: ClientData = field(init=False)
     data_version: int = field(init=False, default=0)
-    # the stages that compose with every algorithm (flockfl/stages): built from cfg
+    # the stages that compose with every algorithm (flockfl/curriculum, flockfl/pruning): built from cfg
     curriculum: Curriculum = field(init=False)
     pruning: Pruning = field(init=False)
 

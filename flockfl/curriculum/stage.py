@@ -37,7 +37,8 @@ import torch
 from torch.func import functional_call
 
 from flockfl.engine.functional import per_sample_loss
-from flockfl.engine.schedule import LocalSpec, Pacing, pacing_size
+from flockfl.curriculum.pacing import Pacing, pacing_size
+from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng
 from flockfl.state import MAGIC, decode_state
 
