@@ -151,3 +151,16 @@ def label_group_npz(path, groups, per_group: int, n: int, seed: int = 0, feature
     np.savez(path, x_train=cat(xs), y_train=cat(ys), x_test=cat(xt), y_test=cat(yt), client_train=cat(cs),
              client_test=cat(ct), group=np.array(truth))
     return np.array(truth)
+
+
+def spy(obj, name: str) -> list:
+    """Wrap ``obj.name`` so that the positional arguments of every call are recorded (the call
+    still happens); returns the list they are appended to."""
+    calls, orig = [], getattr(obj, name)
+
+    def wrapper(*args, **kw):
+        calls.append(args)
+        return orig(*args, **kw)
+
+    setattr(obj, name, wrapper)
+    return calls

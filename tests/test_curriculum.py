@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err, tiny_config
+from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err, spy, tiny_config
 
 from flockfl.config import ConfigError, validate
 from flockfl.engine import train_cohort, train_reference
@@ -293,15 +293,9 @@ def test_every_scoring_function_runs(tmp_path, scoring):
 def test_s_L_persists_each_clients_last_local_model(tmp_path):
     cfg = cfg_of({"ordering": "curr", "scoring": "s_L"}, rounds=3)
     prep = prepare(cfg, tmp_path)
-    results = []
-    orig = prep.ctx.curriculum.remember
-
-    def remember(state, result):
-        results.append(result)
-        return orig(state, result)
-
-    prep.ctx.curriculum.remember = remember
+    calls = spy(prep.ctx.curriculum, "remember")
     st = run_rounds(prep)
+    results = [result for _, result in calls]
     store = st.algo["curriculum"]
     trained = sorted({int(c) for r in results for c in r.clients})
     assert sorted(np.flatnonzero(store["row"] >= 0).tolist()) == trained

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from conftest import assert_resume_bit_identical, assert_trainers_agree, run_flock, tiny_config
+from conftest import assert_resume_bit_identical, assert_trainers_agree, run_flock, spy, tiny_config
 
 from flockfl.config import validate
 from flockfl.engine import LocalSpec, TrainResult, train_cohort, train_reference
@@ -246,16 +246,10 @@ def test_full_masks_follow_each_channel(method, shape):
 def test_unstructured_pruning_reaches_the_target_and_masks_only_shrink(tmp_path):
     cfg = cfg_of({"method": "unstructured", "target": 0.3, "rate": 0.1, **EAGER}, rounds=6, clients_per_round=8)
     prep = prepare(cfg, tmp_path)
-    trained = []
-    orig = prep.ctx.pruning.record
-
-    def record(state, result):
-        trained.append(result)
-        return orig(state, result)
-
-    prep.ctx.pruning.record = record
+    calls = spy(prep.ctx.pruning, "record")
     masks = []
     st = run_rounds(prep, on_round=lambda s, row: masks.append({k: v.clone() for k, v in s.algo["pruning"]["weights"].items()}))
+    trained = [result for _, result in calls]
     assert abs(st.history[-1]["sparsity"] - 0.3) < 1e-3
     sp = [h["sparsity"] for h in st.history]
     assert sp == sorted(sp) and sp[0] == pytest.approx(0.1, abs=2e-3)  # one 10% step per round
