@@ -101,6 +101,11 @@ def main(argv=None) -> None:
             print(f"  {name}: {out[name]['wall_s']:.0f}s", flush=True)
     print(f"\n{args.dataset} shards (2 per client), cnn_bn, 100 clients, {args.per_round}/round, {args.rounds} rounds × "
           f"{args.epochs} epochs, lr {args.lr} momentum 0.5, seed {args.seed}; wall {time.perf_counter() - t_all:.0f}s")
+    from flockfl.pruning.stage import thesis_comm_bytes
+    from models import build_model
+
+    net = build_model("cnn_bn", (1, 28, 28), 10)  # |W| of §2.8: conv and linear weights and biases (21,840)
+    thesis_w = sum(p.numel() for n, p in net.named_parameters() if not n.startswith("bn"))
     print("| Algorithm | acc. as held | acc. after local training | sparsity (weights) | channels pruned | "
           "comm. ours (MB) | comm. thesis formula (MB) | thesis MNIST: acc / % param / MB |")
     print("|---|---|---|---|---|---|---|---|")
@@ -109,7 +114,8 @@ def main(argv=None) -> None:
         held = h.get("accuracy_pruned" if pruned else "accuracy", float("nan"))
         tuned = h.get("accuracy_pruned_finetuned" if pruned else "accuracy_finetuned", float("nan"))
         ours = 0 if name == "Standalone" else h["comm_bytes"] / 1e6
-        thesis_mb = h.get("comm_bytes_thesis", h["comm_bytes"] if name != "Standalone" else 0) / 1e6
+        dense = 0 if name == "Standalone" else thesis_comm_bytes(thesis_w, 0.0, args.rounds, args.per_round)
+        thesis_mb = h.get("comm_bytes_thesis", dense) / 1e6
         th = THESIS_MNIST.get(name)
         print(f"| {name} | {100 * held:.2f} | {100 * tuned:.2f} | {100 * h.get('sparsity', 0):.1f}% | "
               f"{100 * h.get('channel_sparsity', 0):.1f}% | {ours:.2f} | {thesis_mb:.2f} | "
