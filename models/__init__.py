@@ -154,11 +154,6 @@ MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5
                                                "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn}
 
 
-def stat_names(model: nn.Module) -> list[str]:
-    """Entries of the parameter dict that are state, not trained (BN statistics)."""
-    return [n for n, p in model.named_parameters() if not p.requires_grad]
-
-
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
     if name not in MODELS:
         raise KeyError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")

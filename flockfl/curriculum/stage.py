@@ -29,6 +29,7 @@ rows live in ``state.algo['curriculum']`` (one model per client that has trained
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional
 
@@ -127,8 +128,6 @@ class Curriculum:
             steps = self._budget(ctx, spec)
             pacing = Pacing(self.c.pacing, self.c.a, self.c.b, self.c.pacing_literal, offset=round * steps,
                             total=self.cfg.train.rounds * steps)
-        import dataclasses
-
         return dataclasses.replace(spec, order=order, pacing=pacing), {"difficulty_std": float(np.mean(stds))}
 
     def _budget(self, ctx, spec: LocalSpec) -> int:
@@ -150,12 +149,10 @@ class Curriculum:
             if len(y) == 0:
                 out.append((np.zeros(0), np.zeros(0)))
                 continue
-            if s == "s_E" and self.c.expert != "global":
-                lg, pg = _loss_pred(ctx, self.expert(ctx), x, y, task)
-                out.append((1.0 / (lg + EPS), lg))
-                continue
-            lg, pg = _loss_pred(ctx, received[i], x, y, task)
-            if s in ("s_G", "s_E"):  # s_E with expert=global: the current server model, i.e. s_G
+            # s_E scores with the expert (with expert=global, the current server model: s_G)
+            scorer = self.expert(ctx) if s == "s_E" and self.c.expert != "global" else received[i]
+            lg, pg = _loss_pred(ctx, scorer, x, y, task)
+            if s in ("s_G", "s_E"):
                 out.append((1.0 / (lg + EPS), lg))
                 continue
             if s == "s_G_pred":

@@ -66,10 +66,10 @@ def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str) -> TrainRe
     return TrainResult(np.asarray(spec.clients), params, data.sizes[spec.clients], np.zeros(n, np.int64), np.zeros(n))
 
 
-def stat_names(model: nn.Module) -> set[str]:
-    """Entries of the parameter dict that are state, not trained (BN statistics): neither
-    trainer steps them; :func:`calibrate_bn` sets them after training."""
-    return {n for n, p in model.named_parameters() if not p.requires_grad}
+def stat_names(model: nn.Module) -> list[str]:
+    """Entries of the parameter dict that are state, not trained (BN statistics), in the
+    model's order: neither trainer steps them; :func:`calibrate_bn` sets them after training."""
+    return [n for n, p in model.named_parameters() if not p.requires_grad]
 
 
 @torch.no_grad()
@@ -77,10 +77,9 @@ def calibrate_bn(model: nn.Module, params: dict[str, torch.Tensor], data: Split,
     """"Precise BN": set each client's BN statistics (in place, row i for ``clients[i]``) to
     the exact mean and unbiased variance of each BN input over the client's whole training
     set, under its trained parameters. Shared by both trainers, so they agree."""
-    names = [n for n, p in model.named_parameters() if not p.requires_grad]
-    if not names:
+    bns = [n.rsplit(".", 1)[0] for n in stat_names(model) if n.endswith("running_mean")]  # in forward order
+    if not bns:
         return
-    bns = [n.rsplit(".", 1)[0] for n in names if n.endswith("running_mean")]
     was = model.training
     model.train()
     try:

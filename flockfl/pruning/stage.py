@@ -82,7 +82,6 @@ class Pruning:
         self.unstructured = {"unstructured": self.weights, "hybrid": linear}.get(self.method, [])
         self.groups = model.channel_groups() if self.method in ("structured", "hybrid") else []
         self.shapes = {n: tuple(p.shape) for n, p in named.items()}
-        self.masked = sorted(set(self.unstructured) | {n for g in self.groups for n in self._owned(g)})
         self.eps_us = self.p.mask_threshold if self.p.mask_threshold is not None else (
             0.05 if self.method == "hybrid" else 1e-4)
 
@@ -138,11 +137,9 @@ class Pruning:
             return spec
         w, ch = self.rows(state, spec.clients)
         masks = self.full_masks(w, ch)
-        init = {k: (v * masks[k] if k in masks else v) for k, v in spec.init.items()}
-        first = first_mask_steps(spec, sizes)
-        return dataclasses.replace(spec, init=init, masks=masks, snapshot_steps=first,
-                                   meta={**(spec.meta or {}), "pruning_start": init, "pruning_weights": w,
-                                         "pruning_channels": ch})
+        return dataclasses.replace(spec, init=apply_masks(spec.init, masks), masks=masks,
+                                   snapshot_steps=first_mask_steps(spec, sizes),
+                                   meta={**(spec.meta or {}), "pruning_weights": w, "pruning_channels": ch})
 
     def client_update(self, ctx, spec: LocalSpec, result):
         """Steps 2–4 above for every client of a trained shard; returns the result with the
@@ -171,13 +168,12 @@ class Pruning:
         want_w = (frac_w < self.p.target) & (d_us >= self.eps_us) & bool(self.unstructured)
         want_c = (frac_c < self.p.channel_target) & (d_s >= self.p.channel_threshold) & bool(self.groups)
         # the accuracy gate
-        if self.p.acc_gate == "before_training":
-            start = {k: v.clone() for k, v in spec.meta["pruning_start"].items()}
-            acc = self._accuracy(ctx, start, clients)
+        if self.p.acc_gate == "before_training":  # the received model: the spec's (masked) start
+            _, acc, _ = self.subnet_metrics(ctx, spec.init, clients)
         else:
             cand_w = {k: torch.where(_rows(want_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
             cand_c = {k: torch.where(_rows(want_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
-            acc = self._accuracy(ctx, self._masked(params, cand_w, cand_c), clients)
+            _, acc, _ = self.subnet_metrics(ctx, apply_masks(params, self.full_masks(cand_w, cand_c)), clients)
         ok = acc >= self.p.acc_threshold
         # an event counts only if it removes something (per-layer floors can leave a shortfall
         # of under one weight per layer that no further event closes)
@@ -186,10 +182,11 @@ class Pruning:
         apply_w, apply_c = want_w & ok & changed_w, want_c & ok & changed_c
         new_w = {k: torch.where(_rows(apply_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
         new_c = {k: torch.where(_rows(apply_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
-        params = self._masked(params, new_w, new_c)
+        masks = self.full_masks(new_w, new_c)
+        params = apply_masks(params, masks)
         calibrate_bn(ctx.model, params, ctx.data.train, clients)
         meta = {**{k: v for k, v in result.meta.items() if k != "snapshot"},
-                "prune_weights": new_w, "prune_channels": new_c, "pruned_now": (apply_w | apply_c),
+                "prune_weights": new_w, "prune_channels": new_c, "prune_masks": masks, "pruned_now": (apply_w | apply_c),
                 "mask_distance": d_us, "channel_mask_distance": d_s, "prune_gate_accuracy": acc}
         return dataclasses.replace(result, params=params, meta=meta)
 
@@ -197,17 +194,15 @@ class Pruning:
         """The clients' current weight and channel masks (put in the spec by prepare_spec)."""
         return dict(spec.meta["pruning_weights"]), dict(spec.meta["pruning_channels"])
 
-    def _masked(self, params: dict, weights: dict, channels: dict) -> dict:
-        masks = self.full_masks(weights, channels)
-        return {k: (v * masks[k] if k in masks else v.clone()) for k, v in params.items()}
-
-    def _accuracy(self, ctx, params: dict, clients: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def subnet_metrics(ctx, params: dict, clients: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Test loss, accuracy and sizes of each client's subnetwork (row i for ``clients[i]``),
+        with BN statistics recomputed on the client's own training data (on a copy)."""
         from flockfl.algorithms.base import own_model_metrics
 
         params = {k: v.clone() for k, v in params.items()}
         calibrate_bn(ctx.model, params, ctx.data.train, clients)
-        _, acc, _ = own_model_metrics(ctx.model, params, ctx.data.test, clients, ctx.data.task)
-        return acc
+        return own_model_metrics(ctx.model, params, ctx.data.test, clients, ctx.data.task)
 
     @staticmethod
     def _pruned_share(masks: dict, n: int) -> np.ndarray:
@@ -221,7 +216,7 @@ class Pruning:
     def fill(self, alg, state, result, assign: np.ndarray):
         """Each client's pruned entries set to its cluster's keeper mean (the server's value
         where no member keeps the entry), so the algorithm's weighted mean is the masked mean."""
-        masks = self.full_masks(result.meta["prune_weights"], result.meta["prune_channels"])
+        masks = result.meta["prune_masks"]
         params = {k: v.clone() for k, v in result.params.items()}
         for j in np.unique(assign):
             if j < 0:
@@ -284,7 +279,7 @@ class Pruning:
     def upload(self, result) -> tuple[int, float]:
         """(bytes saved on the upload against a dense model, the thesis's bytes) of a round's
         trained clients: a pruned entry is not sent, the mask costs one bit per masked entry."""
-        masks = self.full_masks(result.meta["prune_weights"], result.meta["prune_channels"])
+        masks = result.meta["prune_masks"]
         elem = next(iter(result.params.values())).element_size()
         masked_entries = sum(math.prod(self.shapes[k]) for k in masks)
         layers = self.thesis_params()
@@ -309,12 +304,9 @@ class Pruning:
         ctx, t = prep.ctx, prep.cfg.train
         seen = ctx.seen
         assign = np.maximum(np.asarray(metrics["_assignment"])[seen], 0)
-        w, ch = self.rows(state, seen)
-        masks = self.full_masks(w, ch)
-        params = index_params(state.models, torch.from_numpy(assign))
-        params = {k: (v * masks[k] if k in masks else v.clone()) for k, v in params.items()}
-        calibrate_bn(ctx.model, params, ctx.data.train, seen)
-        loss, acc, n = own_model_metrics(ctx.model, params, ctx.data.test, seen, ctx.data.task)
+        masks = self.full_masks(*self.rows(state, seen))
+        params = apply_masks(index_params(state.models, torch.from_numpy(assign)), masks)
+        loss, acc, n = self.subnet_metrics(ctx, params, seen)
         out = summarise_clients(loss, acc, n, ctx.data.task, "_pruned")
         if finetune:
             epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
@@ -326,6 +318,11 @@ class Pruning:
             out.update(summarise_clients(loss, acc, n, ctx.data.task, "_pruned_finetuned"))
         out.update(self.sparsity(state, seen))
         return out
+
+
+def apply_masks(params: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked parameters with every masked entry zeroed (new tensors; unmasked ones shared)."""
+    return {k: (v * masks[k] if k in masks else v) for k, v in params.items()}
 
 
 def _changed(new: dict, old: dict, n: int) -> np.ndarray:
