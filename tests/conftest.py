@@ -115,7 +115,8 @@ def assert_trainers_agree(cfg_of, tmp_path, tol: float = 1e-5):
 
 def assert_resume_bit_identical(cfg, tmp_path, until: int = 2, prepare_resumed=None):
     """Run ``cfg`` whole, and to ``until`` rounds then checkpoint → load → continue in a fresh
-    context (``prepare_resumed(prep)`` may sabotage it, e.g. forbid a hook): equal digests."""
+    context (``prepare_resumed(prep)`` may sabotage it, e.g. forbid a hook): equal digests and
+    equal last-round metrics."""
     from flockfl.rounds import PLAIN, drive, prepare, run_rounds
     from flockfl.state import load_latest, save_checkpoint
 
@@ -128,6 +129,8 @@ def assert_resume_bit_identical(cfg, tmp_path, until: int = 2, prepare_resumed=N
         prepare_resumed(prep)
     resumed = drive(prep, restored, PLAIN)
     assert resumed.digest() == full.digest()
+    # the last round's metrics too (all but its wall time)
+    assert resumed.history[-1] == {**full.history[-1], "round_time_s": resumed.history[-1]["round_time_s"]}
     return full, resumed
 
 

@@ -49,8 +49,7 @@ def test_both_trainers_agree(tmp_path, algo):
 @pytest.mark.parametrize("algo", VARIANTS, ids=IDS)
 def test_resume_is_bit_identical(tmp_path, algo):
     cfg = cfg_of(algo, engine="vectorized")
-    full, resumed = assert_resume_bit_identical(cfg, tmp_path)
-    assert resumed.history[-1] == {**full.history[-1], "round_time_s": resumed.history[-1]["round_time_s"]}
+    assert_resume_bit_identical(cfg, tmp_path)
 
 
 def test_peer_to_peer_bytes_are_logged_apart_from_the_server_bytes(tmp_path):

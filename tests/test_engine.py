@@ -16,7 +16,7 @@ from flockfl.rng import np_rng, torch_generator
 from flockfl.rounds import PreparedRun, run_rounds
 from models import build_model, init_params
 
-from conftest import tiny_config
+from conftest import rel_err, tiny_config
 
 
 def random_clients(sizes, shape=(1, 8, 8), classes=10, seed=0) -> ClientData:
@@ -27,10 +27,6 @@ def random_clients(sizes, shape=(1, 8, 8), classes=10, seed=0) -> ClientData:
     tr = Split(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g), off)
     te = Split(torch.randn(n, *shape, generator=g), torch.randint(0, classes, (n,), generator=g), off)
     return ClientData(tr, te, np.repeat(np.arange(2), (len(sizes) + 1) // 2)[: len(sizes)], "classification", classes, shape)
-
-
-def rel_err(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in a)
 
 
 @pytest.mark.parametrize("model_name,method", [("mclr", "dense"), ("mclr", "func"), ("mlp", "dense"), ("mlp", "func"),

@@ -43,8 +43,7 @@ def test_both_trainers_agree(tmp_path, algo):
 @pytest.mark.parametrize("algo", VARIANTS, ids=IDS)
 def test_resume_is_bit_identical(tmp_path, algo):
     cfg = cfg_of(algo, engine="vectorized")
-    full, resumed = assert_resume_bit_identical(cfg, tmp_path)
-    assert resumed.history[-1] == {**full.history[-1], "round_time_s": resumed.history[-1]["round_time_s"]}
+    assert_resume_bit_identical(cfg, tmp_path)
 
 
 def test_the_store_holds_only_clients_that_trained_and_the_metrics_follow_r(tmp_path):

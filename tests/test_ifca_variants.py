@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import assert_resume_bit_identical, assert_trainers_agree, tiny_config
 
 from flockfl.algorithms.ifca import parameter_names, shared_parameters
 from flockfl.config import ConfigError, DatasetConfig, deep_merge, validate
 from flockfl.data import load_dataset
 from flockfl.data.datasets import check_natural_only
 from flockfl.engine import train_reference
-from flockfl.rounds import PLAIN, drive, prepare, run_rounds
+from flockfl.rounds import prepare, run_rounds
 from flockfl.state import load_latest, save_checkpoint
 
 VARIANTS = [
@@ -28,10 +28,6 @@ VARIANTS = [
     {"name": "ifca_oneshot", "k": 3, "start": "init", "weighting": "uniform"},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in a.items()) for a in VARIANTS]
-
-
-def rel_err(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)) for k in a)
 
 
 def cfg_of(algo: dict, **train):
@@ -51,29 +47,20 @@ def linreg_cfg(**over):
 
 @pytest.mark.parametrize("algo", VARIANTS, ids=IDS)
 def test_both_trainers_agree(tmp_path, algo):
-    states = {e: run_rounds(prepare(cfg_of(algo, engine=e), tmp_path)) for e in ("reference", "vectorized")}
-    ref, vec = states["reference"], states["vectorized"]
-    assert {k: v.shape for k, v in ref.models.items()} == {k: v.shape for k, v in vec.models.items()}
-    assert rel_err(vec.models, ref.models) < 1e-5
-    np.testing.assert_array_equal(vec.assignments, ref.assignments)
+    assert_trainers_agree(lambda e: cfg_of(algo, engine=e), tmp_path)
 
 
 @pytest.mark.parametrize("algo", VARIANTS, ids=IDS)
 def test_resume_is_bit_identical_and_never_redoes_the_pre_federation(tmp_path, algo):
     cfg = cfg_of(algo, engine="vectorized")
-    full = run_rounds(prepare(cfg, tmp_path))
-    half = run_rounds(prepare(cfg, tmp_path), until=2)
-    save_checkpoint(half, tmp_path / "run")
-    restored, _ = load_latest(tmp_path / "run")
-    prep = prepare(cfg, tmp_path)
 
     def refuse(*_):
         raise AssertionError("the pre-federation step ran again on resume")
 
-    prep.algorithm.pre_federation = refuse
-    resumed = drive(prep, restored, PLAIN)
-    assert resumed.digest() == full.digest()
-    assert resumed.history[-1] == {**full.history[-1], "round_time_s": resumed.history[-1]["round_time_s"]}
+    def forbid_pre_federation(prep):
+        prep.algorithm.pre_federation = refuse
+
+    assert_resume_bit_identical(cfg, tmp_path, until=2, prepare_resumed=forbid_pre_federation)
 
 
 # ---------------------------------------------------------------------- weight sharing

@@ -89,7 +89,7 @@ def _hand_setup(tmp_path, weighting):
 
 def _result(clients, params, masks, sizes):
     return TrainResult(clients, params, np.asarray(sizes), np.ones(3, np.int64), np.zeros(3),
-                       {"prune_weights": masks, "prune_channels": {}})
+                       {"prune_weights": masks, "prune_channels": {}, "prune_masks": {k: v.float() for k, v in masks.items()}})
 
 
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
@@ -310,7 +310,7 @@ def test_thesis_bytes_of_a_dense_mnist_cnn_use_the_thesis_W():
     w = {k: torch.ones(1, *pr.shapes[k], dtype=torch.bool) for k in pr.unstructured}
     ch = {g["bn"]: torch.ones(1, pr.shapes[f"{g['bn']}.weight"][0], dtype=torch.bool) for g in pr.groups}
     res = TrainResult(np.array([0]), params, np.array([10]), np.array([1]), np.zeros(1),
-                      {"prune_weights": w, "prune_channels": ch})
+                      {"prune_weights": w, "prune_channels": ch, "prune_masks": pr.full_masks(w, ch)})
     _, thesis = pr.upload(res)
     assert thesis == thesis_comm_bytes(21_840, 0.0, 1, 1)  # 300 rounds × 10 clients → 524.16 MB
 
