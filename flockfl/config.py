@@ -121,6 +121,11 @@ class TrainConfig(_Section):
     shard_size: int = Field(256, ge=1)  # clients per vectorised training task
     parallel_shards: int = Field(1, ge=1)  # training tasks run at once (threads; 1 suits a small CPU)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
+    # on CUDA: false (default) = deterministic kernels, TF32 off, so a resume on a GPU is
+    # bit-identical; true = TF32 and non-deterministic kernels (faster, gives up bit-identity)
+    fast_math: bool = False
+    # clients per chunk when evaluating or fine-tuning every client (bounds memory at scale)
+    eval_chunk: int = Field(1024, ge=1)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = number of cores (max 4)
     eval_every: int = Field(1, ge=1)
     max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
@@ -256,6 +261,17 @@ class TrackingConfig(_Section):
     plots: bool = True
 
 
+class ExecutorConfig(_Section):
+    """Where training shards run: in this process (local) or on a Dask cluster (dask)."""
+
+    kind: Literal["local", "dask"] = "local"
+    address: Optional[str] = None  # an existing Dask scheduler (tcp://host:8786); None = start a LocalCluster
+    workers: int = Field(2, ge=1)  # LocalCluster workers (processes)
+    threads_per_worker: int = Field(1, ge=1)
+    # where workers read partitions by content hash; None = the flow's partitions directory
+    data_root: Optional[str] = None
+
+
 class ExperimentConfig(_Section):
     name: str = "experiment"
     seed: int = Field(0, ge=0)
@@ -269,6 +285,7 @@ class ExperimentConfig(_Section):
     shift: ShiftConfig = ShiftConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
     pruning: PruningConfig = PruningConfig()
+    executor: ExecutorConfig = ExecutorConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":

@@ -51,7 +51,7 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     check_task(cfg, ds)
     part, path, cached = build_or_load(ds, cfg, partitions_root)
     check_population(cfg, part.num_clients)
-    data = build_client_data(ds, part).to(resolve_device(cfg.train.device))
+    data = build_client_data(ds, part).to(resolve_device(cfg.train.device, cfg.train.fast_math))
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}

@@ -292,7 +292,7 @@ def configure_threads(threads: int = 0) -> int:
     return n
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, fast_math: bool = False) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
