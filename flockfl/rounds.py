@@ -18,6 +18,7 @@ import torch
 
 from flockfl.algorithms import Algorithm, RunContext, build_algorithm
 from flockfl.algorithms.base import log_round, own_model_metrics, summarise_clients
+from flockfl.clientstate import chunks, joined
 from flockfl.config import ConfigError, ExperimentConfig
 from flockfl.data import build_client_data, build_or_load, load_dataset, shift
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
@@ -236,11 +237,12 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
     tune = cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last)
     if ctx.pruning.on:  # every client with its own subnetwork, as downloaded and after local training
         metrics.update(ctx.pruning.evaluate(prep, state, metrics, round, tune))
-    if tune:
-        assign = metrics["_assignment"][ctx.seen]
-        res = alg.finetune(state, ctx, ctx.seen, assign, round, engine, "finetune")
-        loss, acc, n = own_model_metrics(ctx.model, res.params, ctx.data.test, ctx.seen, ctx.data.task)
-        metrics.update(summarise_clients(loss, acc, n, ctx.data.task, "_finetuned"))
+    if tune:  # in chunks of train.eval_chunk clients: memory holds one chunk's fine-tuned models
+        parts = []
+        for part in chunks(ctx.seen, cfg.train.eval_chunk):
+            res = alg.finetune(state, ctx, part, metrics["_assignment"][part], round, engine, "finetune")
+            parts.append(own_model_metrics(ctx.model, res.params, ctx.data.test, part, ctx.data.task))
+        metrics.update(summarise_clients(*joined(parts), ctx.data.task, "_finetuned"))
     if last and len(ctx.unseen):
         metrics.update(newcomer_metrics(prep, state, round, engine))
     maybe_crash("evaluate", round)

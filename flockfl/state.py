@@ -20,6 +20,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from flockfl.clientstate import ClientTable, collect_garbage, flush_all, table_root, tables
+
 MAGIC = b"FLOCKFL-CKPT-1\n"
 CKPT_RE = re.compile(r"^ckpt-(\d{6})\.pt$")
 
@@ -66,6 +68,9 @@ class ServerState:
         for name, t in _tensors(self.algo):
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
+        for name, table in tables(self.algo):  # per-client rows: by their row digests
+            h.update(name.encode())
+            table.update_hash(h)
         h.update(np.ascontiguousarray(self.assignments, dtype=np.int64).tobytes())
         return h.hexdigest()
 
@@ -81,10 +86,10 @@ class ServerState:
         }
 
     @classmethod
-    def from_payload(cls, p: dict[str, Any]) -> "ServerState":
+    def from_payload(cls, p: dict[str, Any], run_dir: Optional[Path] = None) -> "ServerState":
         return cls(
             int(p["round"]), dict(p["models"]), p["assignments"].numpy(), p["assignment_history"].numpy(),
-            dict(p["algo"]), list(p["history"]), dict(p["meta"]),
+            _from_cpu(dict(p["algo"]), run_dir), list(p["history"]), dict(p["meta"]),
         )
 
 
@@ -100,8 +105,19 @@ def _tensors(tree: Any, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
 def _to_cpu(tree: Any) -> Any:
     if isinstance(tree, torch.Tensor):
         return tree.detach().cpu()
+    if isinstance(tree, ClientTable):
+        return tree.payload()
     if isinstance(tree, dict):
         return {k: _to_cpu(v) for k, v in tree.items()}
+    return tree
+
+
+def _from_cpu(tree: Any, run_dir: Optional[Path], prefix: str = "") -> Any:
+    """The inverse of ``_to_cpu``: client tables come back, reading their rows from ``run_dir``."""
+    if isinstance(tree, dict) and tree.get("__client_table__"):
+        return ClientTable.from_payload(tree, table_root(run_dir, prefix) if run_dir is not None else None)
+    if isinstance(tree, dict):
+        return {k: _from_cpu(v, run_dir, f"{prefix}.{k}" if prefix else str(k)) for k, v in tree.items()}
     return tree
 
 
@@ -137,7 +153,9 @@ def encode_state(state: ServerState) -> bytes:
     return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
 
 
-def decode_state(data: bytes, source: str = "checkpoint") -> ServerState:
+def decode_state(data: bytes, source: str = "checkpoint", run_dir: Optional[Path] = None) -> ServerState:
+    """The state in ``data`` (verified); its client tables read their rows under ``run_dir``
+    (default: the directory they were written in)."""
     if not data.startswith(MAGIC):
         raise CheckpointError(f"{source}: not a flockfl checkpoint (bad header)")
     head_end = len(MAGIC) + 65
@@ -147,7 +165,7 @@ def decode_state(data: bytes, source: str = "checkpoint") -> ServerState:
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError(f"{source}: checksum mismatch (truncated or corrupt)")
     try:
-        return ServerState.from_payload(torch.load(io.BytesIO(payload), weights_only=False))
+        return ServerState.from_payload(torch.load(io.BytesIO(payload), weights_only=False), run_dir)
     except Exception as err:
         raise CheckpointError(f"{source}: unreadable payload ({type(err).__name__})") from None
 
@@ -157,12 +175,29 @@ def checkpoint_path(run_dir: Path, round: int) -> Path:
 
 
 def save_checkpoint(state: ServerState, run_dir: Path, keep: int = 3) -> Path:
-    """Atomically write the state for its round and prune all but the newest ``keep``."""
+    """Atomically write the state for its round and prune all but the newest ``keep``.
+
+    Per-client rows (:class:`~flockfl.clientstate.ClientTable`) are written first, only those
+    the state changed since its last checkpoint; the checkpoint file holds their digests. Row
+    files that no kept checkpoint refers to any more are then deleted."""
+    run_dir = Path(run_dir)
+    flush_all(state.algo, run_dir)
     path = checkpoint_path(run_dir, state.round)
     atomic_write(path, encode_state(state), state.round - 1)
-    for old in list_checkpoints(run_dir)[:-keep]:
+    kept = list_checkpoints(run_dir)
+    for old in kept[:-keep]:
         old.unlink(missing_ok=True)
+    if any(True for _ in tables(state.algo)):
+        collect_garbage(run_dir, [state.algo] + [_kept_algo(p, run_dir) for p in kept[-keep:] if p != path])
     return path
+
+
+def _kept_algo(path: Path, run_dir: Path) -> dict:
+    """The algo tree of a kept checkpoint (for garbage collection); unreadable ones keep nothing."""
+    try:
+        return decode_state(path.read_bytes(), str(path), run_dir).algo
+    except (CheckpointError, OSError):
+        return {}
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -177,7 +212,7 @@ def load_latest(run_dir: Path) -> tuple[Optional[ServerState], list[str]]:
     warnings = []
     for path in reversed(list_checkpoints(run_dir)):
         try:
-            return decode_state(path.read_bytes(), str(path)), warnings
+            return decode_state(path.read_bytes(), str(path), Path(run_dir)), warnings
         except (CheckpointError, OSError) as err:
             warnings.append(f"refused {err}; falling back to the previous checkpoint")
     return None, warnings

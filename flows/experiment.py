@@ -121,6 +121,21 @@ def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optiona
     return (TrainResult.concat(parts) if parts else None), dropped
 
 
+CHECKPOINT_ARTIFACT_MAX = 64 << 20  # a larger checkpoint (dense per-client state) is referenced, not copied
+
+
+def checkpoint_reference(run_dir: Path, ckpt: Path, state: ServerState) -> dict:
+    """Where the run's full state lives: the checkpoint file and its per-client row store."""
+    import hashlib
+
+    rows = run_dir / "client_state"
+    return {"run_dir": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
+            "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest(), "state_sha256": state.digest(),
+            "client_state_dir": str(rows.resolve()) if rows.is_dir() else None,
+            "client_state_bytes": sum(f.stat().st_size for f in rows.rglob("*.row")) if rows.is_dir() else 0,
+            "resume": f"flock resume {run_dir.resolve()}"}
+
+
 def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, tracker: Optional[Tracker]) -> dict:
     from flockfl import plots
 
@@ -144,8 +159,10 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
         if "newcomers" in state.meta:
             tracker.log_dict(state.meta["newcomers"], "newcomers.json")
         ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
-        if ckpts:
-            tracker.log_artifact(ckpts[-1], "checkpoint")
+        if ckpts:  # per-client rows stay in the run directory: MLflow gets a reference, not a copy
+            tracker.log_dict(checkpoint_reference(run_dir, ckpts[-1], state), "checkpoint/reference.json")
+            if ckpts[-1].stat().st_size <= CHECKPOINT_ARTIFACT_MAX:
+                tracker.log_artifact(ckpts[-1], "checkpoint")
         name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
         example = prep.ctx.data.train.x[:2].cpu().numpy()
         out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example)

@@ -3,7 +3,9 @@ store, queried here), checkpoints, SIGKILL mid-round and `flock resume`."""
 
 from __future__ import annotations
 
+import json
 import signal
+from pathlib import Path
 
 import pytest
 import yaml
@@ -66,7 +68,10 @@ def test_mlflow_store_has_params_metrics_artifacts_and_models(project, reference
         assert sorted(m.step for m in hist) == [1, 2, 3, 4, 5], key
     arts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert {"plots/accuracy_curves.png", "plots/cluster_assignments.png"} <= arts
-    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/ckpt-000005.pt"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id, "checkpoint")] == ["checkpoint/ckpt-000005.pt",
+                                                                                     "checkpoint/reference.json"]
+    ref = json.loads(Path(client.download_artifacts(run.info.run_id, "checkpoint/reference.json")).read_text())
+    assert ref["state_sha256"] == reference_run["state_sha256"] and Path(ref["checkpoint"]).is_file()
     versions = client.search_model_versions("name='flockfl-e2e'")
     assert sorted(v.tags.get("cluster") for v in versions) == ["0", "1"]
     assert all(v.run_id == run.info.run_id for v in versions)

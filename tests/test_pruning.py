@@ -248,7 +248,7 @@ def test_unstructured_pruning_reaches_the_target_and_masks_only_shrink(tmp_path)
     prep = prepare(cfg, tmp_path)
     calls = spy(prep.ctx.pruning, "record")
     masks = []
-    st = run_rounds(prep, on_round=lambda s, row: masks.append({k: v.clone() for k, v in s.algo["pruning"]["weights"].items()}))
+    st = run_rounds(prep, on_round=lambda s, row: masks.append({k: v.clone() for k, v in s.algo["pruning"]["weights"].dense().items()}))
     trained = [result for _, result in calls]
     assert abs(st.history[-1]["sparsity"] - 0.3) < 1e-3
     sp = [h["sparsity"] for h in st.history]
@@ -260,7 +260,7 @@ def test_unstructured_pruning_reaches_the_target_and_masks_only_shrink(tmp_path)
         for k, m in res.meta["prune_weights"].items():
             assert (res.params[k][~m] == 0).all()
     # the stored masks are what the clients applied; sparsity is their mean pruned share
-    final = st.algo["pruning"]["weights"]
+    final = st.algo["pruning"]["weights"].dense()
     kept = sum(v.reshape(8, -1).sum(1).double() for v in final.values())
     total = sum(v[0].numel() for v in final.values())
     assert st.history[-1]["sparsity"] == pytest.approx(float((1 - kept / total).mean()))
@@ -319,7 +319,7 @@ def test_a_prune_event_that_removes_nothing_is_not_counted(tmp_path):
     cfg = cfg_of({"method": "unstructured", "target": 0.3, "rate": 0.1, **EAGER}, rounds=6, clients_per_round=8)
     masks = []
     st = run_rounds(prepare(cfg, tmp_path), on_round=lambda s, row: masks.append(
-        {k: v.clone() for k, v in s.algo["pruning"]["weights"].items()}))
+        {k: v.clone() for k, v in s.algo["pruning"]["weights"].dense().items()}))
     for r in range(1, 6):
         unchanged = all(torch.equal(masks[r][k], masks[r - 1][k]) for k in masks[r])
         if unchanged:
@@ -360,10 +360,10 @@ def test_unstructured_pruning_composes_with_algorithms(tmp_path, algo):
 def test_channel_pruning_runs_on_bn_models(tmp_path, method, model):
     st = run_rounds(prepare(cfg_of({"method": method, "channel_rate": 0.2, **EAGER}, model=model), tmp_path))
     _check_pruned_run(st, channels=True)
-    ch = st.algo["pruning"]["channels"]
+    ch = st.algo["pruning"]["channels"].dense()
     assert all((v.sum(1) >= 1).all() for v in ch.values())  # at least one channel per layer stays
     if method == "structured":
-        assert st.algo["pruning"]["weights"] == {}
+        assert st.algo["pruning"]["weights"].names == []
 
 
 def test_pruning_and_a_curriculum_compose(tmp_path):
@@ -381,8 +381,8 @@ def test_both_trainers_agree_on_pruning_rounds(tmp_path, method, model):
     ref, vec = assert_trainers_agree(lambda e: cfg_of({"method": method, "channel_rate": 0.2, **EAGER}, model=model,
                                                       rounds=2, engine=e), tmp_path)
     for kind in ("weights", "channels"):
-        for k, v in ref.algo["pruning"][kind].items():
-            assert torch.equal(v, vec.algo["pruning"][kind][k]), k
+        for k, v in ref.algo["pruning"][kind].dense().items():
+            assert torch.equal(v, vec.algo["pruning"][kind].dense()[k]), k
     assert ref.history[-1]["sparsity"] == vec.history[-1]["sparsity"] > 0
 
 
@@ -428,8 +428,8 @@ def test_resume_mid_pruning_is_bit_identical(tmp_path, pr, model):
     full, resumed = assert_resume_bit_identical(cfg_of(pr, model=model, rounds=4), tmp_path, until=2)
     assert full.history[1]["sparsity"] > 0  # pruning was under way at the checkpoint
     for kind in ("weights", "channels"):
-        for k, v in full.algo["pruning"][kind].items():
-            assert torch.equal(v, resumed.algo["pruning"][kind][k])
+        for k, v in full.algo["pruning"][kind].dense().items():
+            assert torch.equal(v, resumed.algo["pruning"][kind].dense()[k])
     np.testing.assert_array_equal(full.algo["pruning"]["events"], resumed.algo["pruning"]["events"])
     strip = lambda h: {k: v for k, v in h.items() if k != "round_time_s"}  # noqa: E731
     assert [strip(h) for h in resumed.history] == [strip(h) for h in full.history]
@@ -514,7 +514,7 @@ def test_shards_of_the_cohort_give_the_same_run(tmp_path, engine):
     assert max(float((parts.models[k] - whole.models[k]).norm() / whole.models[k].norm().clamp_min(1e-12))
                for k in whole.models) < 1e-5
     for kind in ("weights", "channels"):
-        for k, v in whole.algo["pruning"][kind].items():
-            assert torch.equal(v, parts.algo["pruning"][kind][k]), k
+        for k, v in whole.algo["pruning"][kind].dense().items():
+            assert torch.equal(v, parts.algo["pruning"][kind].dense()[k]), k
     assert whole.history[-1]["sparsity"] == parts.history[-1]["sparsity"] > 0
     assert [h["bytes_up"] for h in whole.history] == [h["bytes_up"] for h in parts.history]

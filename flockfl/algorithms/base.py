@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig
 from flockfl.data.clients import ClientData
 from flockfl.engine.functional import index_params, losses_under_models, num_params, segment_mean, stack
@@ -324,6 +325,9 @@ def client_model_losses(model: nn.Module, models: dict[str, torch.Tensor], split
     return mean_loss.cpu(), mean_acc.cpu(), counts.cpu()
 
 
+EVAL_CHUNK = 4096  # clients per evaluation pass of one model
+
+
 def summarise_clients(c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray, task: str, suffix: str = "") -> dict[str, float]:
     """Sample-weighted mean loss (and accuracy, its minimum and 10th percentile) over clients."""
     has = n > 0
@@ -384,10 +388,10 @@ def own_cluster_metrics(model: nn.Module, models: dict[str, torch.Tensor], which
     c_loss, c_acc, n = np.zeros(len(clients)), np.zeros(len(clients)), np.zeros(len(clients), np.int64)
     which = np.maximum(which, 0)
     for j in np.unique(which):
-        pos = np.flatnonzero(which == j)
         one = {k: v[int(j) : int(j) + 1] for k, v in models.items()}
-        loss, acc, cnt = client_model_losses(model, one, split, clients[pos], task)
-        c_loss[pos], c_acc[pos], n[pos] = loss[0].numpy(), acc[0].numpy(), cnt.numpy()
+        for pos in chunks(np.flatnonzero(which == j), EVAL_CHUNK):  # a bounded slice of the test data at a time
+            loss, acc, cnt = client_model_losses(model, one, split, clients[pos], task)
+            c_loss[pos], c_acc[pos], n[pos] = loss[0].numpy(), acc[0].numpy(), cnt.numpy()
     return c_loss, c_acc, n
 
 

@@ -63,8 +63,9 @@ sampled they train from ω^0 towards the centroid that LrCos picks for ω^0.
 
 **State and memory** (all in ``ServerState``, so in the digest and the checkpoint):
 ``models`` holds the K centroids Ω_k; ``assignments`` is R (−1: no model yet); ``algo`` holds
-``omega`` (one flat float32 row per client that has trained, rows appended in the order clients
-first train; ``row_of[i]`` is client i's row or −1), ``omega0`` (ω^0), ``phi`` (Φ), ``pca`` and
+``omega`` (a :class:`~flockfl.clientstate.ClientTable` of one flat float32 row per client; a
+client that never trained reads ω^0 and counts as unknown; a round writes only its participants'
+rows, and a checkpoint only the rows that changed), ``omega0`` (ω^0), ``phi`` (Φ), ``pca`` and
 ``pca_mean`` (M and the mean it was centred with), ``pca_round`` and ``fitted``. The store grows
 only with the clients that have trained: for N = 1000 clients it is at most 1000 × dim(ω) × 4
 bytes plus 8 KB of row indices — 4.9 MB for the digits MLP (64-16-10, 1210 parameters), 636 MB
@@ -111,6 +112,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from flockfl.clientstate import ClientTable
 from flockfl.algorithms.base import (Algorithm, RunContext, client_model_losses, log_round, own_cluster_metrics,
                                      own_model_metrics, summarise_clients)
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
@@ -361,12 +363,7 @@ class FedAC(Algorithm):
 
     def omegas(self, state: ServerState, clients: np.ndarray) -> torch.Tensor:
         """[C, dim] current ω_i of the listed clients (ω^0 for a client with no row)."""
-        rows = state.algo["row_of"][torch.from_numpy(np.asarray(clients, np.int64))]
-        out = state.algo["omega0"][None].repeat(len(rows), 1)
-        have = rows >= 0
-        if have.any():
-            out[have.to(out.device)] = state.algo["omega"][rows[have].to(out.device)]
-        return out
+        return state.algo["omega"].gather(clients, state.algo["omega0"].device)["omega"]
 
     def projected(self, state: ServerState, ctx: RunContext, x: torch.Tensor) -> torch.Tensor:
         cols = self.cols(ctx)
@@ -396,7 +393,7 @@ class FedAC(Algorithm):
         return ServerState(
             round=0, models={k: v.contiguous() for k, v in lay.unflatten(w0[None].expand(k0, -1)).items()}, assignments=r0,
             assignment_history=np.zeros((0, n), np.int64),
-            algo={"omega": torch.zeros(0, lay.dim, device=device), "row_of": torch.full((n,), -1, dtype=torch.long),
+            algo={"omega": ClientTable(n, {"omega": w0}),
                   "omega0": w0, "phi": w0[phi_cols].clone(), "pca": torch.zeros(0, width, device=device),
                   "pca_mean": torch.zeros(width, device=device), "pca_round": torch.tensor(-1),
                   "fitted": torch.tensor(False)},
@@ -435,13 +432,9 @@ class FedAC(Algorithm):
         algo = dict(state.algo)
         clients = np.asarray(result.clients, np.int64)
         # 1. store the participants' ω_i (a new row for a client's first upload)
-        x_new = lay.flatten(result.params).to(algo["omega"].device)
-        row_of = algo["row_of"].clone()
-        fresh = clients[row_of[torch.from_numpy(clients)].numpy() < 0]
-        row_of[torch.from_numpy(fresh)] = torch.arange(len(algo["omega"]), len(algo["omega"]) + len(fresh))
-        omega = torch.cat([algo["omega"], x_new.new_zeros(len(fresh), lay.dim)])  # a new tensor: the old state stays intact
-        omega[row_of[torch.from_numpy(clients)].to(omega.device)] = x_new
-        algo.update(omega=omega, row_of=row_of)
+        x_new = lay.flatten(result.params).to(algo["omega0"].device)
+        table = algo["omega"].scatter(clients, {"omega": x_new})  # a new table: the old state stays intact
+        algo["omega"] = table
         # 2. the global embedding Φ: the p_i-weighted mean of the participants' φ_i
         phi_cols = lay.columns(lay.embedding).to(x_new.device)
         w = self.weights(result, np.arange(len(clients))).to(x_new.dtype).to(x_new.device)
@@ -454,8 +447,8 @@ class FedAC(Algorithm):
             algo.update(pca=m, pca_mean=mean, pca_round=torch.tensor(state.round))
         new = state.replace(algo=algo)
         # 4–6. E-step, M-step, Cluster Number Tuning over the clients the server holds a model of
-        known = np.flatnonzero(row_of.numpy() >= 0)
-        x = omega[row_of[torch.from_numpy(known)].to(omega.device)]  # rows in client order
+        known = np.flatnonzero(table.written())
+        x = table.gather(known, x_new.device)["omega"]  # rows in client order
         # labels: R^0 before the first fit; afterwards every known client but this round's
         # first uploads (participants, so in every E-step's scope) has one
         labels = state.assignments[known].copy()
@@ -526,7 +519,7 @@ class FedAC(Algorithm):
         clients = np.asarray(clients, np.int64)
         x = self.omegas(state, clients).clone()
         assign = np.asarray(assign, np.int64)
-        given = (state.algo["row_of"][torch.from_numpy(clients)].numpy() < 0) & (assign >= 0)
+        given = ~state.algo["omega"].written(clients) & (assign >= 0)
         if given.any():
             x[torch.from_numpy(given)] = lay.flatten(state.models)[torch.from_numpy(assign[given])]
         epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs

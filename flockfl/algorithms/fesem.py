@@ -22,19 +22,20 @@ Stochastic EM over ℓ2 distances with m = ``algorithm.k`` centers:
   first ⌈N/K⌉ rounds, swaps only between warm clients, each warm client evaluated with its
   current center; a newcomer (never trained) joins the center nearest w_0.
 
-Memory: the last local solution of every client is kept in ``state.algo['last_local']``
-(clients × d floats), as the server needs it for the E-step. Communication is FedAvg's (one model
+Memory: the last local solution of every client is kept in ``state.algo['last_local']``, a
+:class:`~flockfl.clientstate.ClientTable` (a client never trained reads w_0), as the server needs
+it for the E-step; a round reads and writes only the clients it touches. Communication is FedAvg's (one model
 down and one up per selected client); the distances are computed on the server.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from flockfl.algorithms.flexcfl import GroupedClients, flatten, shift_hypers, with_round_log
 from flockfl.algorithms.hyper import Hyper, integer, weighting
-from flockfl.engine.functional import index_params, stack
+from flockfl.clientstate import ClientTable
+from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator
 from models import init_params
 
@@ -63,13 +64,12 @@ class FeSEM(GroupedClients):
     def init_state(self, ctx):
         state = super().init_state(ctx)
         w0 = self.w0(ctx)
-        last = {k: v.unsqueeze(0).expand(ctx.num_clients, *v.shape).clone() for k, v in w0.items()}
-        return state.replace(algo={**state.algo, "w0": w0, "last_local": last})
+        return state.replace(algo={**state.algo, "w0": w0, "last_local": ClientTable(ctx.num_clients, w0)})
 
     def nearest(self, state, clients: np.ndarray) -> np.ndarray:
         if len(clients) == 0:
             return np.zeros(0, np.int64)
-        points = flatten(index_params(state.algo["last_local"], torch.from_numpy(np.asarray(clients, np.int64))))
+        points = flatten(state.algo["last_local"].gather(clients, next(iter(state.models.values())).device))
         return nearest_centers(points, flatten(state.models))
 
     def before_training(self, state, ctx, clients, round):
@@ -97,11 +97,7 @@ class FeSEM(GroupedClients):
             new = self._with_assignments(state, models, result.clients, assign)
         else:
             new = super().aggregate(state, ctx, spec, result, assign)
-        idx = torch.from_numpy(np.asarray(result.clients, np.int64))
-        last = {k: v.clone() for k, v in state.algo["last_local"].items()}
-        for k in last:
-            last[k][idx] = result.params[k].to(last[k].dtype).to(last[k].device)
-        return new.replace(algo={**new.algo, "last_local": last})
+        return new.replace(algo={**new.algo, "last_local": state.algo["last_local"].scatter(result.clients, result.params)})
 
     def fallback_model(self, state, ctx):
         j = int(nearest_centers(flatten({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()}),

@@ -41,6 +41,7 @@ from flockfl.engine.functional import per_sample_loss
 from flockfl.curriculum.pacing import Pacing, pacing_size
 from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng
+from flockfl.clientstate import ClientTable
 from flockfl.state import MAGIC, decode_state
 
 EPS = 1e-8
@@ -158,7 +159,7 @@ class Curriculum:
             if s == "s_G_pred":
                 out.append(((pg == y.cpu().numpy()).astype(float), lg))
                 continue
-            local = self.local_model(state, int(c)) or received[i]
+            local = self.local_model(state, int(c), x.device) or received[i]
             ll, pl = _loss_pred(ctx, local, x, y, task)
             if s == "s_L":
                 out.append((1.0 / (ll + EPS), ll))
@@ -175,29 +176,21 @@ class Curriculum:
     def keeps_local(self) -> bool:
         return self.data_on and self.c.scoring in ("s_L", "s_LG", "s_L_pred", "s_LG_pred") and self.c.local_model == "persisted"
 
-    def local_model(self, state, client: int) -> Optional[dict[str, torch.Tensor]]:
-        store = (state.algo.get("curriculum") or {})
-        if not self.keeps_local or "row" not in store:
+    def local_model(self, state, client: int, device=None) -> Optional[dict[str, torch.Tensor]]:
+        table = (state.algo.get("curriculum") or {}).get("models")
+        if not self.keeps_local or table is None or not table.written([client])[0]:
             return None
-        row = int(store["row"][client])
-        return None if row < 0 else {k: v[row] for k, v in store["models"].items()}
+        return {k: v[0] for k, v in table.gather([client], device).items()}
 
     def remember(self, state, result) -> None:
-        """Keep each trained client's final local model (for s_L next time it is selected)."""
+        """Keep each trained client's final local model (for s_L next time it is selected), in a
+        :class:`~flockfl.clientstate.ClientTable` (rows of the clients that trained)."""
         if not self.keeps_local:
             return
-        n = len(state.assignments)
-        store = dict(state.algo.get("curriculum") or {})
-        row = store.get("row", np.full(n, -1, np.int64)).copy()
-        models = dict(store.get("models") or {k: v[:0].clone() for k, v in result.params.items()})
-        for i, c in enumerate(result.clients):
-            if row[c] < 0:
-                row[c] = next(iter(models.values())).shape[0]
-                models = {k: torch.cat([v, result.params[k][i : i + 1].detach().cpu()]) for k, v in models.items()}
-            else:
-                for k in models:
-                    models[k][row[c]] = result.params[k][i].detach().cpu()
-        state.algo = {**state.algo, "curriculum": {"row": row, "models": models}}
+        table = (state.algo.get("curriculum") or {}).get("models")
+        if table is None:
+            table = ClientTable(len(state.assignments), {k: torch.zeros_like(v[0]) for k, v in result.params.items()})
+        state.algo = {**state.algo, "curriculum": {"models": table.scatter(result.clients, result.params)}}
 
 
 def rank(score: np.ndarray, ordering: str, rng: np.random.Generator) -> np.ndarray:

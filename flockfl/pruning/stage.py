@@ -37,8 +37,9 @@ over its own training data after every local training and whenever it evaluates 
 subnetwork; the server averages the ones it receives, over the keepers, for the models it
 reports itself.
 
-State (``state.algo['pruning']``): every client's weight masks and channel masks (bool),
-and how many prune events it applied. Communication: a pruned entry is not sent; the upload
+State (``state.algo['pruning']``): every client's weight masks and channel masks (bool, in
+two :class:`~flockfl.clientstate.ClientTable`, so memory and checkpoints grow with the clients a
+round touches, not the population), and how many prune events it applied. Communication: a pruned entry is not sent; the upload
 carries the kept entries and a one-bit-per-entry mask (``bytes_up``), the download is dense.
 The thesis's own figure, 32·|W| + 32·(1−p)|W| + 1·p|W| bits per client and round (§2.8), is
 logged beside it as ``bytes_thesis``.
@@ -52,6 +53,7 @@ import math
 import numpy as np
 import torch
 
+from flockfl.clientstate import ClientTable, chunks, joined
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import calibrate_bn, stat_names
 
@@ -82,6 +84,7 @@ class Pruning:
         self.unstructured = {"unstructured": self.weights, "hybrid": linear}.get(self.method, [])
         self.groups = model.channel_groups() if self.method in ("structured", "hybrid") else []
         self.shapes = {n: tuple(p.shape) for n, p in named.items()}
+        self.eval_chunk = cfg.train.eval_chunk
         self.eps_us = self.p.mask_threshold if self.p.mask_threshold is not None else (
             0.05 if self.method == "hybrid" else 1e-4)
 
@@ -99,16 +102,15 @@ class Pruning:
         if "pruning" not in state.algo:
             n = len(state.assignments)
             state.algo = {**state.algo, "pruning": {
-                "weights": {k: torch.ones(n, *self.shapes[k], dtype=torch.bool) for k in self.unstructured},
-                "channels": {g["bn"]: torch.ones(n, self.shapes[f"{g['bn']}.weight"][0], dtype=torch.bool)
-                             for g in self.groups},
+                "weights": ClientTable(n, {k: torch.ones(self.shapes[k], dtype=torch.bool) for k in self.unstructured}),
+                "channels": ClientTable(n, {g["bn"]: torch.ones(self.shapes[f"{g['bn']}.weight"][0], dtype=torch.bool)
+                                            for g in self.groups}),
                 "events": np.zeros(n, np.int64)}}
         return state.algo["pruning"]
 
-    def rows(self, state, clients: np.ndarray) -> tuple[dict, dict]:
+    def rows(self, state, clients: np.ndarray, device=None) -> tuple[dict, dict]:
         st = self.store(state)
-        idx = torch.from_numpy(np.asarray(clients, np.int64))
-        return {k: v[idx] for k, v in st["weights"].items()}, {k: v[idx] for k, v in st["channels"].items()}
+        return st["weights"].gather(clients, device), st["channels"].gather(clients, device)
 
     def full_masks(self, weights: dict, channels: dict) -> dict[str, torch.Tensor]:
         """Float 0/1 masks of every masked parameter from the weight and channel masks."""
@@ -135,7 +137,7 @@ class Pruning:
         its parameters after its first epoch."""
         if not len(spec.clients):
             return spec
-        w, ch = self.rows(state, spec.clients)
+        w, ch = self.rows(state, spec.clients, next(iter(spec.init.values())).device)
         masks = self.full_masks(w, ch)
         return dataclasses.replace(spec, init=apply_masks(spec.init, masks), masks=masks,
                                    snapshot_steps=first_mask_steps(spec, sizes),
@@ -238,13 +240,8 @@ class Pruning:
     def record(self, state, result) -> dict:
         """Store the trained clients' new masks; returns the round's counts to log."""
         st = self.store(state)
-        idx = torch.from_numpy(np.asarray(result.clients, np.int64))
-        weights = {k: v.clone() for k, v in st["weights"].items()}
-        channels = {k: v.clone() for k, v in st["channels"].items()}
-        for k in weights:
-            weights[k][idx] = result.meta["prune_weights"][k].cpu()
-        for k in channels:
-            channels[k][idx] = result.meta["prune_channels"][k].cpu()
+        weights = st["weights"].scatter(result.clients, result.meta["prune_weights"])
+        channels = st["channels"].scatter(result.clients, result.meta["prune_channels"])
         events = st["events"].copy()
         events[result.clients] += result.meta["pruned_now"].astype(np.int64)
         state.algo = {**state.algo, "pruning": {"weights": weights, "channels": channels, "events": events}}
@@ -258,16 +255,20 @@ class Pruning:
     # ------------------------------------------------------------------ accounting
     def sparsity(self, state, clients: np.ndarray) -> dict[str, float]:
         """Mean over ``clients`` of the share of conv/linear weights their masks prune (and
-        of BN channels, for structured and hybrid)."""
-        w, ch = self.rows(state, clients)
-        full = self.full_masks(w, ch)
+        of BN channels, for structured and hybrid), in chunks of ``train.eval_chunk`` clients."""
         total = sum(math.prod(self.shapes[k]) for k in self.weights)
-        kept = sum((full[k].reshape(len(clients), -1).sum(1).double() if k in full
-                    else torch.full((len(clients),), float(math.prod(self.shapes[k])), dtype=torch.float64))
-                   for k in self.weights)
-        out = {"sparsity": float((1 - kept / total).mean())}
+        pruned, channel = [], []
+        for part in chunks(clients, self.eval_chunk):
+            w, ch = self.rows(state, part)
+            full = self.full_masks(w, ch)
+            kept = sum((full[k].reshape(len(part), -1).sum(1).double() if k in full
+                        else torch.full((len(part),), float(math.prod(self.shapes[k])), dtype=torch.float64))
+                       for k in self.weights)
+            pruned.append((1 - kept / total).numpy())
+            channel.append(self._pruned_share(ch, len(part)))
+        out = {"sparsity": float(np.concatenate(pruned).mean()) if pruned else 0.0}
         if self.groups:
-            out["channel_sparsity"] = float(np.mean(self._pruned_share(ch, len(clients))))
+            out["channel_sparsity"] = float(np.concatenate(channel).mean()) if channel else 0.0
         return out
 
     def thesis_params(self) -> list[str]:
@@ -302,21 +303,24 @@ class Pruning:
         from flockfl.engine.functional import index_params
 
         ctx, t = prep.ctx, prep.cfg.train
-        seen = ctx.seen
-        assign = np.maximum(np.asarray(metrics["_assignment"])[seen], 0)
-        masks = self.full_masks(*self.rows(state, seen))
-        params = apply_masks(index_params(state.models, torch.from_numpy(assign)), masks)
-        loss, acc, n = self.subnet_metrics(ctx, params, seen)
-        out = summarise_clients(loss, acc, n, ctx.data.task, "_pruned")
+        device = ctx.data.train.x.device
+        assign_all = np.maximum(np.asarray(metrics["_assignment"]), 0)
+        plain, tuned = [], []
+        for seen in chunks(ctx.seen, self.eval_chunk):  # memory: one chunk of clients' masks and models
+            masks = self.full_masks(*self.rows(state, seen, device))
+            params = apply_masks(index_params(state.models, torch.from_numpy(assign_all[seen]).to(device)), masks)
+            plain.append(self.subnet_metrics(ctx, params, seen))
+            if finetune:
+                epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
+                spec = LocalSpec(seen, params, t.lr, epochs, None, t.batch_size, t.full_batch, masks=masks,
+                                 stream="finetune", momentum=t.momentum)
+                res = TRAINERS[state.meta.get("engine", "vectorized")](ctx.model, spec, ctx.data.train, ctx.data.task,
+                                                                       ctx.seed, round)
+                tuned.append(own_model_metrics(ctx.model, res.params, ctx.data.test, seen, ctx.data.task))
+        out = summarise_clients(*joined(plain), ctx.data.task, "_pruned")
         if finetune:
-            epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
-            spec = LocalSpec(seen, params, t.lr, epochs, None, t.batch_size, t.full_batch, masks=masks, stream="finetune",
-                             momentum=t.momentum)
-            res = TRAINERS[state.meta.get("engine", "vectorized")](ctx.model, spec, ctx.data.train, ctx.data.task,
-                                                                   ctx.seed, round)
-            loss, acc, n = own_model_metrics(ctx.model, res.params, ctx.data.test, seen, ctx.data.task)
-            out.update(summarise_clients(loss, acc, n, ctx.data.task, "_pruned_finetuned"))
-        out.update(self.sparsity(state, seen))
+            out.update(summarise_clients(*joined(tuned), ctx.data.task, "_pruned_finetuned"))
+        out.update(self.sparsity(state, ctx.seen))
         return out
 
 

@@ -1,0 +1,173 @@
+"""Per-client state in ClientTable: values, incremental checkpoints, verification, garbage collection."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import assert_resume_bit_identical, tiny_config
+from flockfl.clientstate import ClientTable, collect_garbage, row_path
+from flockfl.rounds import PLAIN, drive, prepare, run_rounds
+from flockfl.state import (CheckpointError, ServerState, decode_state, encode_state, list_checkpoints, load_latest,
+                           save_checkpoint)
+
+
+def table(n=10):
+    return ClientTable(n, {"w": torch.zeros(3, 2), "b": torch.ones(4, dtype=torch.bool)})
+
+
+def rows_of(clients, value):
+    n = len(clients)
+    return {"w": torch.full((n, 3, 2), float(value)), "b": torch.zeros(n, 4, dtype=torch.bool)}
+
+
+def state_with(t: ClientTable) -> ServerState:
+    return ServerState(0, {"x": torch.zeros(1, 2)}, np.zeros(t.num_clients, np.int64), np.zeros((0, t.num_clients), np.int64),
+                       algo={"t": t})
+
+
+def test_unwritten_rows_read_the_default_and_scatter_leaves_the_old_table_alone():
+    t = table()
+    got = t.gather([0, 5])
+    assert torch.equal(got["w"], torch.zeros(2, 3, 2)) and got["b"].all()
+    t2 = t.scatter([5, 7], rows_of([5, 7], 2.5))
+    assert not t.written().any()  # states are values: the old table is unchanged
+    assert t2.written().tolist() == [i in (5, 7) for i in range(10)]
+    got = t2.gather([7, 0, 5])
+    assert got["w"][:, 0, 0].tolist() == [2.5, 0.0, 2.5] and got["b"].tolist()[1] == [True] * 4
+    assert got["b"].dtype == torch.bool and not got["b"][0].any()
+    assert torch.equal(t2.dense()["w"][[5, 7]], torch.full((2, 3, 2), 2.5))
+
+
+def test_scatter_refuses_rows_that_do_not_fit():
+    with pytest.raises(ValueError, match="shape"):
+        table().scatter([1], {"w": torch.zeros(1, 2, 3), "b": torch.zeros(1, 4, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="do not match"):
+        table().scatter([1], {"w": torch.zeros(1, 3, 2)})
+
+
+def test_flush_writes_only_the_dirty_rows_and_keeps_the_value(tmp_path):
+    t = table().scatter([1, 2, 3], rows_of([1, 2, 3], 1.0))
+    before = state_with(t).digest()
+    assert t.flush(tmp_path) == 3 * t.row_nbytes
+    assert t.dirty == {} and t.flush(tmp_path) == 0  # nothing new: nothing written
+    assert state_with(t).digest() == before  # flushing changes where rows live, not the value
+    t2 = t.scatter([3, 4], rows_of([3, 4], 9.0))
+    assert t2.flush(tmp_path) == 2 * t.row_nbytes  # the next checkpoint writes only what changed
+    assert t2.gather([1, 3, 4])["w"][:, 0, 0].tolist() == [1.0, 9.0, 9.0]
+    assert t.gather([3])["w"][0, 0, 0] == 1.0  # the older table still reads its own row 3
+    assert len(list(tmp_path.rglob("*.row"))) == 5
+
+
+def test_a_corrupt_or_missing_row_is_refused(tmp_path):
+    t = table().scatter([4, 6], rows_of([4, 6], 3.0))
+    t.flush(tmp_path)
+    path = row_path(tmp_path, 4, t.digests[4])
+    path.write_bytes(path.read_bytes()[:-1] + b"\x01")
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        t.gather([4])
+    row_path(tmp_path, 6, t.digests[6]).unlink()
+    with pytest.raises(CheckpointError, match="missing"):
+        t.gather([6])
+    assert t.gather([5])["w"].abs().sum() == 0  # an unwritten row needs no file
+
+
+def test_encode_decode_keeps_unflushed_rows_inline():
+    t = table().scatter([2], rows_of([2], 7.0))
+    s = state_with(t)
+    back = decode_state(encode_state(s))
+    assert back.digest() == s.digest()
+    assert back.algo["t"].gather([2])["w"][0, 0, 0] == 7.0
+
+
+def test_state_digest_depends_on_every_row():
+    t = table().scatter([2], rows_of([2], 7.0))
+    assert state_with(t).digest() != state_with(t.scatter([9], rows_of([9], 7.0))).digest()
+    assert state_with(t).digest() == state_with(table().scatter([2], rows_of([2], 7.0))).digest()
+
+
+def cfg_of(algo: dict, rounds: int, clients: int = 20, per_round: int = 4):
+    from flockfl.config import validate
+
+    return validate(tiny_config(algorithm=algo, partition={"num_clients": clients},
+                                train={"rounds": rounds, "clients_per_round": per_round}))
+
+
+def scaffold_cfg(rounds=6):
+    return cfg_of({"name": "scaffold"}, rounds)
+
+
+def test_scaffold_checkpoints_write_only_the_cohorts_rows_and_collect_old_ones(tmp_path):
+    prep = prepare(scaffold_cfg(), tmp_path)
+    run = tmp_path / "run"
+    counts = []
+
+    def checkpoint(state, row):
+        before = set(run.rglob("*.row"))
+        save_checkpoint(state, run, keep=2)
+        after = set(run.rglob("*.row"))
+        counts.append(len(after - before))
+        # every file left is referenced by one of the two kept checkpoints
+        kept = [decode_state(p.read_bytes(), str(p), run).algo["c_clients"].files() for p in list_checkpoints(run)]
+        assert {str(f.relative_to(run / "client_state" / "c_clients")) for f in after} == set().union(*kept)
+
+    final = run_rounds(prep, on_round=checkpoint)
+    assert counts and all(1 <= c <= 4 for c in counts)  # ≤ the cohort per round (a row that did not change is reused)
+    table_ = final.algo["c_clients"]
+    ckpt = list_checkpoints(run)[-1]
+    # the checkpoint holds digests, not rows: far smaller than the dense [N, P] c_i it replaced
+    assert ckpt.stat().st_size < 20 * table_.row_nbytes
+    restored, _ = load_latest(run)
+    assert restored.digest() == final.digest()
+    for k, v in table_.dense().items():
+        assert torch.equal(restored.algo["c_clients"].dense()[k], v), k
+
+
+def test_resume_from_the_previous_checkpoint_finds_its_rows(tmp_path):
+    """The newest checkpoint is corrupt: the fallback one's rows must not have been collected."""
+    cfg = scaffold_cfg(rounds=5)
+    full = run_rounds(prepare(cfg, tmp_path))
+    run = tmp_path / "run"
+    run_rounds(prepare(cfg, tmp_path), until=4, on_round=lambda s, row: save_checkpoint(s, run, keep=2))
+    newest = list_checkpoints(run)[-1]
+    newest.write_bytes(newest.read_bytes()[:-10])
+    restored, warnings = load_latest(run)
+    assert restored.round == 3 and warnings
+    assert drive(prepare(cfg, tmp_path), restored, PLAIN).digest() == full.digest()
+
+
+def test_a_moved_run_directory_still_resumes(tmp_path):
+    cfg = scaffold_cfg(rounds=3)
+    full = run_rounds(prepare(cfg, tmp_path))
+    half = run_rounds(prepare(cfg, tmp_path), until=2)
+    save_checkpoint(half, tmp_path / "a")
+    (tmp_path / "a").rename(tmp_path / "b")
+    restored, _ = load_latest(tmp_path / "b")
+    assert drive(prepare(cfg, tmp_path), restored, PLAIN).digest() == full.digest()
+
+
+@pytest.mark.parametrize("algo", ["scaffold", "fedac"])
+def test_resume_is_bit_identical_with_client_tables(algo, tmp_path):
+    extra = {"k": 2} if algo == "fedac" else {}
+    cfg = cfg_of({"name": algo, **extra}, rounds=4, clients=12)
+    full, resumed = assert_resume_bit_identical(cfg, tmp_path)
+    assert resumed.algo[{"scaffold": "c_clients", "fedac": "omega"}[algo]].written().sum() > 4
+
+
+def test_garbage_collection_keeps_what_any_kept_state_refers_to(tmp_path):
+    t1 = table().scatter([1], rows_of([1], 1.0))
+    t1.flush(tmp_path / "client_state" / "t")
+    t2 = t1.scatter([1], rows_of([1], 2.0))
+    t2.flush(tmp_path / "client_state" / "t")
+    assert collect_garbage(tmp_path, [{"t": t1}, {"t": t2}]) == 0
+    assert collect_garbage(tmp_path, [{"t": t2}]) == 1
+    assert t2.gather([1])["w"][0, 0, 0] == 2.0
+    with pytest.raises(CheckpointError):
+        t1.gather([1])
+
+
+def test_rows_come_back_in_the_order_the_table_was_given():
+    t = ClientTable(3, {"z.weight": torch.zeros(2), "a.bias": torch.zeros(1), "m": torch.zeros(3)})
+    assert list(t.gather([0])) == ["z.weight", "a.bias", "m"]
+    assert list(decode_state(encode_state(state_with(t))).algo["t"].gather([1])) == ["z.weight", "a.bias", "m"]
