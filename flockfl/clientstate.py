@@ -49,15 +49,20 @@ class ClientTable:
         self.default = np.frombuffer(row, np.uint8).copy()
         self.default_digest = hashlib.sha256(row).digest()
         self.row_nbytes = len(row)
-        self.digests = np.full(self.num_clients, b"", dtype="S32")  # b"" = the default row
+        # raw SHA-256 per client (a uint8 matrix: numpy's fixed bytes would drop trailing NULs)
+        self.digests = np.zeros((self.num_clients, 32), np.uint8)
+        self.has = np.zeros(self.num_clients, bool)  # False: the client reads the default row
         self.dirty: dict[int, np.ndarray] = {}  # rows written since the last flush (uint8 views)
         self.root = Path(root) if root is not None else None
 
     # ------------------------------------------------------------------ reading
     def written(self, clients: Optional[np.ndarray] = None) -> np.ndarray:
         """Per listed client (default: all): has its row ever been written?"""
-        d = self.digests if clients is None else self.digests[np.asarray(clients, np.int64)]
-        return d != b""
+        return self.has.copy() if clients is None else self.has[np.asarray(clients, np.int64)]
+
+    def digest(self, c: int) -> bytes:
+        """Client ``c``'s row digest (only for a written row)."""
+        return self.digests[c].tobytes()
 
     def gather(self, clients, device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
         """The listed clients' rows, stacked: ``{name: [len(clients), *shape]}``."""
@@ -74,10 +79,9 @@ class ClientTable:
     def _row(self, c: int) -> np.ndarray:
         if c in self.dirty:
             return self.dirty[c]
-        digest = self.digests[c]
-        if digest == b"":
+        if not self.has[c]:
             return self.default
-        return self._read(c, digest)
+        return self._read(c, self.digest(c))
 
     def _read(self, c: int, digest: bytes) -> np.ndarray:
         from flockfl.state import CheckpointError
@@ -124,13 +128,15 @@ class ClientTable:
         new = self._copy()
         for i, c in enumerate(clients):
             new.dirty[int(c)] = buf[i]
-            new.digests[int(c)] = hashlib.sha256(buf[i]).digest()
+            new.digests[int(c)] = np.frombuffer(hashlib.sha256(buf[i]).digest(), np.uint8)
+            new.has[int(c)] = True
         return new
 
     def _copy(self) -> "ClientTable":
         new = object.__new__(ClientTable)
         new.__dict__.update(self.__dict__)
         new.digests = self.digests.copy()
+        new.has = self.has.copy()
         new.dirty = dict(self.dirty)
         return new
 
@@ -143,7 +149,7 @@ class ClientTable:
             _copy_rows(self, root)  # a table moving to another run directory brings its rows along
         written = 0
         for c, row in self.dirty.items():
-            path = row_path(root, c, self.digests[c])
+            path = row_path(root, c, self.digest(c))
             if not path.exists():
                 path.parent.mkdir(parents=True, exist_ok=True)
                 _write(path, row)
@@ -156,7 +162,7 @@ class ClientTable:
     def all_digests(self) -> np.ndarray:
         """Every client's row digest (the default row's for a client never written)."""
         out = self.digests.copy()
-        out[out == b""] = self.default_digest
+        out[~self.has] = np.frombuffer(self.default_digest, np.uint8)
         return out
 
     def update_hash(self, h) -> None:
@@ -168,19 +174,20 @@ class ClientTable:
         """What a checkpoint stores: the layout, the digests and any rows not yet flushed (inline)."""
         return {"__client_table__": 1, "num_clients": self.num_clients,
                 "default": self._unpack(self.default[None], None),
-                "digests": self.digests.tobytes(), "root": str(self.root) if self.root else None,
+                "digests": self.digests.tobytes(), "has": self.has.tobytes(), "root": str(self.root) if self.root else None,
                 "dirty": {c: bytes(r) for c, r in self.dirty.items()}}
 
     @classmethod
     def from_payload(cls, p: dict[str, Any], root: Optional[Path] = None) -> "ClientTable":
         t = cls(p["num_clients"], {k: v[0] for k, v in p["default"].items()}, root or p.get("root"))  # payload keeps order
-        t.digests = np.frombuffer(p["digests"], dtype="S32").copy()
+        t.digests = np.frombuffer(p["digests"], np.uint8).reshape(-1, 32).copy()
+        t.has = np.frombuffer(p["has"], bool).copy()
         t.dirty = {int(c): np.frombuffer(r, np.uint8) for c, r in p["dirty"].items()}
         return t
 
     def files(self) -> set[str]:
         """The row files this table refers to (names relative to its root)."""
-        return {str(row_path(Path(), int(c), self.digests[c])) for c in np.flatnonzero(self.written())
+        return {str(row_path(Path(), int(c), self.digest(int(c)))) for c in np.flatnonzero(self.has)
                 if int(c) not in self.dirty}
 
     def __repr__(self) -> str:
