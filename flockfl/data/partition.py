@@ -318,6 +318,15 @@ def partition_label_swap(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partit
     return p
 
 
+def _rows_by_client(client: np.ndarray, n: int) -> list[np.ndarray]:
+    """Each client's sample indices in increasing order (one stable sort, not n scans)."""
+    client = np.asarray(client, np.int64)
+    order = np.argsort(client, kind="stable")
+    counts = np.bincount(client[(client >= 0) & (client < n)], minlength=n)[:n]
+    start = int(np.searchsorted(client[order], 0))  # ids outside 0..n-1 (none in a valid file) are skipped
+    return np.split(order[start:start + int(counts.sum())], np.cumsum(counts)[:-1])
+
+
 def partition_natural(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
     if ds.client_train is None:
         raise ConfigError(f"partition.scheme: 'natural' needs client ids in the dataset; {ds.name} has none (use iid, dirichlet, ...)")
@@ -330,8 +339,7 @@ def partition_natural(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition
             f"partition.num_clients: the dataset has {len(ids)} natural clients but num_clients={cfg.num_clients}; "
             f"set partition.num_clients={len(ids)} or leave it unset"
         )
-    train = [np.flatnonzero(ds.client_train == i) for i in ids]
-    test = [np.flatnonzero(ds.client_test == i) for i in ids]
+    train, test = _rows_by_client(ds.client_train, len(ids)), _rows_by_client(ds.client_test, len(ids))
     group = ds.group if ds.group is not None else -np.ones(len(ids), np.int64)
     if len(group) != len(ids):
         raise ConfigError(f"dataset group: {len(group)} entries for {len(ids)} clients; give one group per client")
