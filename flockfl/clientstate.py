@@ -67,10 +67,12 @@ class ClientTable:
     def gather(self, clients, device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
         """The listed clients' rows, stacked: ``{name: [len(clients), *shape]}``."""
         clients = np.asarray(clients, np.int64).reshape(-1)
-        buf = np.empty((len(clients), self.row_nbytes), np.uint8)
-        for i, c in enumerate(clients):
-            buf[i] = self._row(int(c))
-        return self._unpack(buf, device)
+        parts = {k: np.empty((len(clients), size), np.uint8) for k, (_, size) in self._layout.items()}
+        for i, c in enumerate(clients):  # straight into one array per name: no second copy of the rows
+            row = self._row(int(c))
+            for k, (off, size) in self._layout.items():
+                parts[k][i] = row[off:off + size]
+        return self._tensors(parts, len(clients), device)
 
     def dense(self, device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
         """Every client's row, stacked (``[N, *shape]``): for tests and small populations."""
@@ -97,17 +99,26 @@ class ClientTable:
             raise CheckpointError(f"client state row {path}: checksum mismatch (truncated or corrupt)")
         return np.frombuffer(data, np.uint8)
 
-    def _unpack(self, buf: np.ndarray, device) -> dict[str, torch.Tensor]:
+    @property
+    def _layout(self) -> dict[str, tuple[int, int]]:
+        """Each name's (offset, bytes) within a row."""
         out, off = {}, 0
-        n = buf.shape[0]
         for k in self.names:
-            dt = _np_dtype(self.dtypes[k])
-            size = int(np.prod(self.shapes[k], dtype=np.int64)) * dt.itemsize
-            part = np.ascontiguousarray(buf[:, off:off + size]).view(dt).reshape(n, *self.shapes[k])
-            t = torch.from_numpy(part)
-            out[k] = t.to(device) if device is not None else t
+            size = int(np.prod(self.shapes[k], dtype=np.int64)) * _np_dtype(self.dtypes[k]).itemsize
+            out[k] = (off, size)
             off += size
-        return {k: out[k] for k in self.order}
+        return out
+
+    def _tensors(self, parts: dict[str, np.ndarray], n: int, device) -> dict[str, torch.Tensor]:
+        out = {}
+        for k in self.order:
+            t = torch.from_numpy(parts[k].view(_np_dtype(self.dtypes[k])).reshape(n, *self.shapes[k]))
+            out[k] = t.to(device) if device is not None else t
+        return out
+
+    def _unpack(self, buf: np.ndarray, device) -> dict[str, torch.Tensor]:
+        return self._tensors({k: np.ascontiguousarray(buf[:, off:off + size]) for k, (off, size) in self._layout.items()},
+                             buf.shape[0], device)
 
     # ------------------------------------------------------------------ writing
     def scatter(self, clients, rows: dict[str, torch.Tensor]) -> "ClientTable":
