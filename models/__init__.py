@@ -161,10 +161,13 @@ def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, hidde
 
 
 def init_params(model: nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Fresh parameters drawn from ``generator`` (PyTorch's default init schemes, never global RNG)."""
+    """Fresh parameters drawn from ``generator`` (PyTorch's default init schemes, never global RNG).
+
+    Every draw happens on the CPU with the CPU ``generator`` and the result is then moved to
+    the model's device, so a model on a GPU starts from exactly the values a CPU run draws."""
     out = {}
     for name, p in model.named_parameters():
-        t = torch.empty_like(p)
+        t = torch.empty(p.shape, dtype=p.dtype)  # on the CPU, whatever the model's device
         owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if isinstance(owner, WeightedBatchNorm2d):  # γ = 1, β = 0, mean 0, var 1 (torch's BN defaults)
             t.fill_(1.0 if name.endswith(("weight", "running_var")) else 0.0)
@@ -181,5 +184,5 @@ def init_params(model: nn.Module, generator: torch.Generator) -> dict[str, torch
             fan_in = p[0].numel()
             bound = math.sqrt(6 / ((1 + 5) * fan_in))
             t.uniform_(-bound, bound, generator=generator)
-        out[name] = t
+        out[name] = t.to(p.device)
     return out

@@ -91,6 +91,10 @@ class Algorithm:
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, arXiv 1602.05629"
     # the algorithm.* keys this class reads (a subclass adds or redeclares; see hyper.py)
     hyperparameters: tuple[Hyper, ...] = (weighting("samples"),)
+    # top-level keys of ``state.algo`` whose tensors live on the run's device (with the models):
+    # a resumed run moves them back there (see ``flockfl.rounds.on_device``); dicts keyed by
+    # parameter names (server moments, control variates) need no entry
+    device_state_keys: tuple[str, ...] = ()
 
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
@@ -205,8 +209,9 @@ class Algorithm:
         return np.array([spec.meta["model_of_client"][pos[int(c)]] for c in result.clients], np.int64)
 
     def weights(self, result: TrainResult, members: np.ndarray) -> torch.Tensor:
+        """p_i of the listed members (float32, summing to 1), on the device of the trained parameters."""
         w = result.num_samples[members].astype(np.float64) if self.weighting == "samples" else np.ones(len(members))
-        return torch.from_numpy(w / w.sum()).to(torch.float32)
+        return torch.from_numpy(w / w.sum()).to(torch.float32).to(next(iter(result.params.values())).device)
 
     def aggregate(self, state: ServerState, ctx: RunContext, spec: LocalSpec, result: TrainResult,
                   assign: np.ndarray) -> ServerState:
@@ -420,7 +425,7 @@ def own_model_metrics(model: nn.Module, params: dict[str, torch.Tensor], split, 
 
 def min_dist(models: dict[str, torch.Tensor], theta: np.ndarray) -> float:
     """IFCA's metric: (1/k) Σ_j min_j' ‖θ_j − θ*_j'‖ for linear models."""
-    w = next(iter(models.values())).reshape(next(iter(models.values())).shape[0], -1).double()
+    w = next(iter(models.values())).reshape(next(iter(models.values())).shape[0], -1).double().cpu()
     t = torch.as_tensor(theta, dtype=torch.float64)
     return float(torch.cdist(w, t).min(1).values.mean())
 

@@ -93,7 +93,7 @@ class CCFL(Algorithm):
     def aggregate(self, state, ctx, spec, result, assign):
         a = self.cfg.algorithm
         eta, beta, gamma, eps = float(self.hp("server_lr")), float(self.hp("beta1")), float(self.hp("beta2")), float(self.hp("tau"))
-        k_steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32))
+        k_steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32)).to(next(iter(result.params.values())).device)
         algo = dict(state.algo)
         models = {}
         for k, v in state.models.items():

@@ -313,6 +313,7 @@ def tune_clusters(x: torch.Tensor, proj: torch.Tensor, labels: np.ndarray, a: fl
 
 class FedAC(Algorithm):
     name = "fedac"
+    device_state_keys = ("omega0", "phi", "pca", "pca_mean")  # flat tensors kept with the centroids
     paper = "Zhang et al., FedAC: An Adaptive Clustered Federated Learning Framework for Heterogeneous Data, arXiv 2403.16460"
     hyperparameters = (
         replace(weighting("samples"), meaning="weights of the participants' embeddings in the global embedding Φ: "

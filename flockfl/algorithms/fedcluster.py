@@ -111,5 +111,5 @@ class FedCluster(Algorithm):
         models = {}
         for k, v in result.params.items():
             flat = v.reshape(len(w), -1)
-            models[k] = (wt.to(flat.dtype) @ flat).reshape(v.shape[1:]).unsqueeze(0)
+            models[k] = (wt.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(v.shape[1:]).unsqueeze(0)
         return self._with_assignments(state, models, result.clients, assign)

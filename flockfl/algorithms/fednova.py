@@ -55,7 +55,7 @@ class FedNova(Algorithm):
 
     def aggregate(self, state, ctx, spec, result, assign):
         p = self.weights(result, np.arange(len(result.clients))).double()
-        a = torch.from_numpy(a_norm(result.num_steps, float(self.hp("momentum")), self.cfg.train.lr * float(self.hp("mu"))))
+        a = torch.from_numpy(a_norm(result.num_steps, float(self.hp("momentum")), self.cfg.train.lr * float(self.hp("mu")))).to(p.device)
         a = a.clamp_min(1e-12)  # a client that took no step contributes Δ = 0
         tau_eff = float((p * a).sum())
         coef = (tau_eff * p / a).to(torch.float32)  # per-client factor on Δ_i

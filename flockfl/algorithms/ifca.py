@@ -441,7 +441,7 @@ class IFCAOneShot(OneShotClustering):
                 w = torch.from_numpy(w / w.sum()).to(torch.float32)
                 for k in names:
                     p = params[k][torch.from_numpy(members)]
-                    models[k][j] = (w.to(p.dtype) @ p.reshape(len(members), -1)).reshape(p.shape[1:])
+                    models[k][j] = (w.to(device=p.device, dtype=p.dtype) @ p.reshape(len(members), -1)).reshape(p.shape[1:])
             state = state.replace(models=models)
         per_model = self.model_bytes(state)
         down = len(ctx.seen) * per_model if self.erm_kind() == "sgd" else 0  # θ_0 goes down for the SGD pass

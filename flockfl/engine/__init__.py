@@ -1,6 +1,14 @@
 """Local training engines: the vectorised cohort trainer and the sequential reference."""
 
-from flockfl.engine.schedule import LocalSpec
-from flockfl.engine.trainers import TRAINERS, TrainResult, choose_engine, configure_threads, resolve_device, train_cohort, train_reference
+import os
 
-__all__ = ["LocalSpec", "TRAINERS", "TrainResult", "choose_engine", "configure_threads", "resolve_device", "train_cohort", "train_reference"]
+# deterministic cuBLAS (train.fast_math=false on CUDA) needs a fixed workspace, set before cuBLAS
+# starts; harmless on the CPU and for fast_math runs
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+from flockfl.engine.schedule import LocalSpec  # noqa: E402
+from flockfl.engine.trainers import (TRAINERS, TrainResult, choose_engine, configure_cuda, configure_threads,  # noqa: E402
+                                     resolve_device, train_cohort, train_reference)
+
+__all__ = ["LocalSpec", "TRAINERS", "TrainResult", "choose_engine", "configure_cuda", "configure_threads", "resolve_device",
+           "train_cohort", "train_reference"]

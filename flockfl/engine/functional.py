@@ -67,11 +67,16 @@ def losses_under_models(
 
 
 def segment_mean(values: torch.Tensor, segment: torch.Tensor, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean of ``values[..., i]`` grouped by ``segment[i]``; returns (means, counts)."""
+    """Mean of ``values[..., i]`` grouped by ``segment[i]``; returns (means, counts).
+
+    Safe under ``torch.use_deterministic_algorithms`` on CUDA: ``index_add_`` has a
+    deterministic CUDA path, while ``torch.bincount`` on CUDA raises there (older torch even
+    without weights), so the counts are an integer ``index_add_`` too (exact, as bincount)."""
     lead = values.shape[:-1]
     sums = torch.zeros(*lead, num_segments, dtype=values.dtype, device=values.device)
     sums.index_add_(-1, segment, values)
-    counts = torch.bincount(segment, minlength=num_segments).to(values.dtype)
+    counts = torch.zeros(num_segments, dtype=torch.int64, device=segment.device).index_add_(
+        0, segment, torch.ones_like(segment, dtype=torch.int64)).to(values.dtype)
     return sums / counts.clamp_min(1), counts
 
 

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -293,8 +294,40 @@ def configure_threads(threads: int = 0) -> int:
 
 
 def resolve_device(name: str, fast_math: bool = False) -> torch.device:
+    """The torch device of ``train.device`` (auto: CUDA when available). On CUDA, also the
+    numerics of ``train.fast_math`` (see :func:`configure_cuda`); CPU settings are untouched."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    elif name == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
-    return torch.device(name)
+    else:
+        device = torch.device(name)
+    if device.type == "cuda":
+        configure_cuda(fast_math)
+    return device
+
+
+_FAST_MATH_WARNED = [False]
+
+
+def configure_cuda(fast_math: bool) -> None:
+    """CUDA numerics for the whole process.
+
+    ``fast_math=False`` (the default): no TF32 in matmuls or convolutions, cuDNN's
+    deterministic algorithms without autotuning, and ``torch.use_deterministic_algorithms``
+    (cuBLAS gets a fixed workspace through ``CUBLAS_WORKSPACE_CONFIG``, set when
+    :mod:`flockfl.engine` is imported). A run then repeats bit for bit on the same GPU and
+    software, so a resumed run equals a straight one, and it matches a CPU run up to float
+    rounding (every random draw is made on the CPU). ``fast_math=True``: TF32 and cuDNN
+    autotuning, nondeterministic kernels allowed: faster, but bit-identity is given up
+    (a warning says so once)."""
+    torch.backends.cuda.matmul.allow_tf32 = fast_math
+    torch.backends.cudnn.allow_tf32 = fast_math
+    torch.backends.cudnn.benchmark = fast_math
+    torch.backends.cudnn.deterministic = not fast_math
+    torch.use_deterministic_algorithms(not fast_math)
+    if fast_math and not _FAST_MATH_WARNED[0]:
+        _FAST_MATH_WARNED[0] = True
+        warnings.warn("train.fast_math=true: TF32 and nondeterministic CUDA kernels; runs (and resumed runs) are no "
+                      "longer bit-identical, and differ from CPU runs by more than float rounding", RuntimeWarning,
+                      stacklevel=3)

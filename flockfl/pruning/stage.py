@@ -212,7 +212,7 @@ class Pruning:
             return np.zeros(n)
         kept = sum(v.reshape(v.shape[0], -1).sum(1).double() for v in masks.values())
         total = sum(v[0].numel() for v in masks.values())
-        return (1 - kept / total).numpy()
+        return (1 - kept / total).cpu().numpy()
 
     # ------------------------------------------------------------------ server side
     def fill(self, alg, state, result, assign: np.ndarray):
@@ -354,16 +354,17 @@ def first_mask_steps(spec: LocalSpec, sizes: np.ndarray) -> np.ndarray:
 
 def _rows(flags: np.ndarray, like: torch.Tensor) -> torch.Tensor:
     """Per-client flags broadcast over a stacked tensor."""
-    return torch.from_numpy(np.asarray(flags, bool)).reshape(-1, *([1] * (like.dim() - 1)))
+    return torch.from_numpy(np.asarray(flags, bool)).reshape(-1, *([1] * (like.dim() - 1))).to(like.device)
 
 
 def magnitude_masks(values: torch.Tensor, alive: torch.Tensor, share: np.ndarray, keep_one: bool = False) -> torch.Tensor:
     """Per client (leading axis): ``alive`` with a further ``share[i]`` of its alive entries
     removed, those with the smallest |value| (ties: the lower index first). Never revives."""
-    out = alive.clone()
+    alive_cpu = alive.cpu()  # the ranking runs on the CPU (per-client loop, stable sort), then moves back
+    out = alive_cpu.clone()
     c = values.shape[0]
     flat_v = values.detach().abs().reshape(c, -1).cpu()
-    flat_a = alive.reshape(c, -1)
+    flat_a = alive_cpu.reshape(c, -1)
     flat_o = out.reshape(c, -1)
     for i in range(c):
         n_alive = int(flat_a[i].sum())
@@ -375,4 +376,4 @@ def magnitude_masks(values: torch.Tensor, alive: torch.Tensor, share: np.ndarray
         score = torch.where(flat_a[i], flat_v[i].double(), torch.full_like(flat_v[i], float("inf"), dtype=torch.float64))
         drop = torch.sort(score, stable=True).indices[:k]
         flat_o[i, drop] = False
-    return out
+    return out.to(alive.device)
