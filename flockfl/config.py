@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix", "synthetic_fedprox")
 SCHEMES = ("iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural", "sc_niid", "sc_dir", "mix")
@@ -270,6 +270,17 @@ class ExecutorConfig(_Section):
     threads_per_worker: int = Field(1, ge=1)
     # where workers read partitions by content hash; None = the flow's partitions directory
     data_root: Optional[str] = None
+    connect_timeout_s: float = Field(10.0, gt=0)  # reaching the scheduler at executor.address
+    # GPU workers (started with --resources GPU=1): the share of a GPU's free memory one shard may
+    # use; a shard that would need more is trained in pieces on the worker
+    gpu_memory_fraction: float = Field(0.8, gt=0, le=1)
+
+    @field_validator("address")
+    @classmethod
+    def _address_needs_dask(cls, v: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if v and info.data.get("kind") != "dask":
+            raise ValueError("a Dask scheduler address needs executor.kind=dask; set it or remove executor.address")
+        return v
 
 
 class ExperimentConfig(_Section):

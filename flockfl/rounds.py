@@ -45,12 +45,13 @@ class PreparedRun:
     info: dict = field(default_factory=dict)
 
 
-def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions") -> PreparedRun:
-    """Load the data, build or load the partition (content-addressed cache), and the model."""
+def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions", build: bool = True) -> PreparedRun:
+    """Load the data, build or load the partition (content-addressed cache), and the model
+    (``build=False``: only load the partition; a missing or stale one is a ConfigError)."""
     threads = configure_threads(cfg.train.threads)
     ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
     check_task(cfg, ds)
-    part, path, cached = build_or_load(ds, cfg, partitions_root)
+    part, path, cached = build_or_load(ds, cfg, partitions_root, build)
     check_population(cfg, part.num_clients)
     data = build_client_data(ds, part).to(resolve_device(cfg.train.device, cfg.train.fast_math))
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
@@ -374,6 +375,32 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     return finish_round(prep, state, work, metrics, time.perf_counter() - t0)
 
 
+def on_device(state: ServerState, device: torch.device, keys: tuple[str, ...] = ()) -> ServerState:
+    """The state with its tensors where a straight run keeps them. A checkpoint holds CPU
+    tensors; a run resumed on a GPU moves back to the device its models, every dict in
+    ``state.algo`` keyed by parameter names (server moments, control variates, past models:
+    tensors built from the models) and the tensors under the top-level ``keys`` of
+    ``state.algo`` (``Algorithm.device_state_keys``). Other algorithm tensors (labels,
+    matrices, client tables) stay as loaded. For a state already in place nothing changes."""
+    names = set(state.models)
+
+    def place(tree, whole=False):
+        if isinstance(tree, torch.Tensor) and whole:
+            return tree.to(device)
+        if isinstance(tree, dict):
+            if whole:
+                return {k: place(v, True) for k, v in tree.items()}
+            if tree and set(tree) <= names and all(isinstance(v, torch.Tensor) for v in tree.values()):
+                return {k: v.to(device) for k, v in tree.items()}
+            return {k: place(v) for k, v in tree.items()}
+        return tree
+
+    if all(v.device == device for v in state.models.values()) and device.type == "cpu":
+        return state  # a CPU run: checkpoints restore it as it was
+    algo = {k: place(v, k in keys) for k, v in state.algo.items()}
+    return state.replace(models={k: v.to(device) for k, v in state.models.items()}, algo=algo)
+
+
 def needs_pre_federation(prep: PreparedRun, state: ServerState) -> bool:
     return prep.algorithm.has_pre_federation() and "pre_federation" not in state.meta
 
@@ -384,7 +411,8 @@ def drive(prep: PreparedRun, state: Optional[ServerState] = None, stages: Stages
           on_cycle: Optional[Callable[[ServerState], None]] = None) -> ServerState:
     """The whole run: the pre-federation step (once, unless the state already holds it), then
     the rounds from ``state.round`` up to ``until`` (default ``train.rounds``)."""
-    state = state or prep.algorithm.init_state(prep.ctx)
+    state = on_device(state or prep.algorithm.init_state(prep.ctx), prep.ctx.data.train.x.device,
+                      prep.algorithm.device_state_keys)
     if needs_pre_federation(prep, state):
         state = stages.pre_federation(prep, state)
         if on_pre_federation:

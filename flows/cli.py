@@ -89,13 +89,19 @@ def cmd_run(args) -> dict:
     if list_checkpoints(run_dir):
         if not args.resume:
             raise UserError(f"{run_dir} already holds checkpoints; continue it with: flock resume {run_dir}")
-        if read_run_file(run_dir).get("config") != cfg.model_dump():
+        if run_identity(read_run_file(run_dir).get("config")) != run_identity(cfg.model_dump()):
             # --resume with a changed config (e.g. a DVC stage whose params changed): keep the
             # old run beside it, never delete it, and start afresh
             archived = run_dir.with_name(f"{run_dir.name}.{stamp}")
             run_dir.rename(archived)
             print(f"flock: config changed; previous run moved to {archived}", file=sys.stderr)
     return _execute(cfg, run_dir, args, fresh=not list_checkpoints(run_dir))
+
+
+def run_identity(config: dict | None) -> dict | None:
+    """What makes two configs the same run: everything but ``executor`` (where the shards train
+    never changes results, so a run started locally may continue on a Dask cluster)."""
+    return None if config is None else {k: v for k, v in config.items() if k != "executor"}
 
 
 def cmd_resume(args) -> dict:

@@ -12,6 +12,7 @@ import json
 import sys
 import time
 import traceback
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Optional
 
@@ -21,8 +22,9 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote as Q
 
 import tasks
-from flockfl import rounds
+from flockfl import executor, rounds
 from flockfl.config import ExperimentConfig, validate
+from flockfl.data import shift
 from flockfl.engine import TrainResult
 from flockfl.state import ServerState
 from tasks.tracking import Tracker
@@ -84,15 +86,17 @@ def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri:
     return tracker
 
 
-def task_stages() -> rounds.Stages:
+def task_stages(remote: Optional["DaskTraining"] = None) -> rounds.Stages:
     """The round's stages as Prefect tasks: the same functions the plain loop calls.
 
     In-memory values cross task boundaries wrapped in ``quote``: Prefect then skips walking
-    them for futures (that traversal of states and histories cost ~10 ms per task)."""
+    them for futures (that traversal of states and histories cost ~10 ms per task). With
+    ``remote`` (``executor.kind=dask``) only the training shards go to the Dask cluster; every
+    other stage runs here, where the data is."""
     return rounds.Stages(
         pre_federation=lambda prep, state: tasks.pre_federation(Q(prep), Q(state)),
-        select=lambda prep, state, r: tasks.select(Q(prep), Q(state), r),
-        train=_train,
+        select=remote.select if remote else (lambda prep, state, r: tasks.select(Q(prep), Q(state), r)),
+        train=remote.train if remote else _train,
         cluster=lambda prep, state, spec, result: tasks.cluster(Q(prep), Q(state), Q(spec), Q(result)),
         aggregate=lambda prep, state, spec, result, assign, r: tasks.aggregate(Q(prep), Q(state), Q(spec), Q(result), Q(assign), r),
         evaluate=lambda prep, state, r: tasks.evaluate(Q(prep), Q(state), r),
@@ -119,6 +123,175 @@ def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optiona
             parts += [part] if part is not None else []
             dropped += lost
     return (TrainResult.concat(parts) if parts else None), dropped
+
+
+class DaskTraining:
+    """The train stage on a Dask cluster (``executor.kind=dask``).
+
+    Each shard becomes one ``train_shard_remote`` task carrying a pickled
+    :class:`flockfl.executor.ShardJob`: the shard's rows, never the dataset (workers load the
+    partition by content hash from ``executor.data_root``). Results come back pickled and are
+    concatenated in shard order, so which worker ran a shard does not matter. A shard that still
+    fails after its retries has its clients trained one by one here, as in a local run; a shard
+    whose workers kept dying (Dask's ``KilledWorker``) likewise. Counts the bytes moved."""
+
+    def __init__(self, prep: rounds.PreparedRun, partitions_root: str, gpu: bool):
+        ex = prep.cfg.executor
+        self.base = dict(config=prep.cfg.model_dump(), context_key=executor.context_key(prep.cfg),
+                         data_root=str(Path(ex.data_root or partitions_root).resolve()),
+                         partition_hash=prep.partition_hash, threads=ex.threads_per_worker,
+                         gpu_memory_fraction=ex.gpu_memory_fraction)
+        self.gpu = gpu
+        self.device = prep.ctx.data.train.x.device
+        self.shift: Optional[dict] = None
+        self.counts = self._zero()
+
+    @staticmethod
+    def _zero() -> dict:
+        return {"executor_bytes_to_workers": 0, "executor_bytes_from_workers": 0, "executor_shards": 0,
+                "executor_shards_local": 0, "executor_pieces": 0, "executor_worker_s": 0.0}
+
+    def take_counts(self) -> dict:
+        out, self.counts = self.counts, self._zero()
+        return out
+
+    def select(self, prep: rounds.PreparedRun, state: ServerState, r: int):
+        state, spec = tasks.select(Q(prep), Q(state), r)
+        self.shift = state.algo.get(shift.KEY)  # the workers train on this round's data view
+        return state, spec
+
+    def train(self, prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optional[TrainResult], list[int]]:
+        import dask
+
+        cfg = prep.cfg.train
+        shards = rounds.split_spec(spec, cfg.shard_size)
+        jobs = [executor.pack(executor.ShardJob(**self.base, shift=self.shift, spec=s, engine=engine, round=r))
+                for s in shards]
+        task = tasks.train_shard_remote.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
+        with dask.annotate(resources={"GPU": 1}) if self.gpu else nullcontext():
+            futures = [task.submit(job) for job in jobs]
+        parts, dropped = [], []
+        for shard, job, fut in zip(shards, jobs, futures):
+            payload = self._settle(fut)
+            self.counts["executor_bytes_to_workers"] += len(job)
+            self.counts["executor_shards"] += 1
+            if payload is not None:
+                result, info = executor.unpack_result(payload, self.device)
+                self.counts["executor_bytes_from_workers"] += len(payload)
+                self.counts["executor_pieces"] += info["pieces"]
+                self.counts["executor_worker_s"] += info["seconds"]  # the shard's time on its worker
+                parts.append(result)
+            else:
+                self.counts["executor_shards_local"] += 1
+                part, lost = tasks.isolate_failures(Q(prep), Q(shard), engine, r)
+                parts += [part] if part is not None else []
+                dropped += lost
+        return (TrainResult.concat(parts) if parts else None), dropped
+
+    @staticmethod
+    def _settle(fut) -> Optional[bytes]:
+        """The shard's pickled result, or None when it failed (its clients are then isolated)."""
+        import distributed
+
+        try:
+            state = fut.wrapped_future.result()
+        except distributed.KilledWorker:  # the shard killed allowed-failures workers in a row
+            return None
+        except Exception as err:  # the task never ran: the workers cannot load flockfl's code
+            msg = str(err).splitlines()[0] if str(err) else ""
+            raise executor.ExecutorError(f"executor: a training shard could not run on the Dask cluster "
+                                         f"({type(err).__name__}: {msg}); the workers need flockfl installed") from None
+        if state.is_completed():
+            return state.result()
+        err = state.result(raise_on_failure=False)
+        if isinstance(err, executor.ExecutorError):  # the worker cannot read the run's data
+            raise err
+        return None
+
+
+def _dask_stage(prep: rounds.PreparedRun, partitions_root: str) -> DaskTraining:
+    """The train stage for ``executor.kind=dask``, on the flow's DaskTaskRunner (connects now:
+    an unreachable scheduler is a one-line error before any round runs)."""
+    import warnings
+
+    from prefect.context import FlowRunContext
+    from prefect_dask import DaskTaskRunner
+
+    ex = prep.cfg.executor
+    # a shard's rows can be megabytes (SCAFFOLD's per-client corrections); they are the payload
+    warnings.filterwarnings("ignore", message="Sending large graph", category=UserWarning)
+    runner = FlowRunContext.get().task_runner
+    if not isinstance(runner, DaskTaskRunner):
+        raise executor.ExecutorError("executor.kind: 'dask' needs the flow to run on a DaskTaskRunner; "
+                                     "start it with flows.experiment.run_experiment (flock run)")
+    try:
+        workers = runner.client.scheduler_info(n_workers=-1)["workers"]
+    except Exception as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise executor.ExecutorError(f"executor.address: cannot reach a Dask scheduler at {runner.address or ex.address!r} "
+                                     f"({msg}); start one (dask scheduler) or fix executor.address") from None
+    gpu = prep.cfg.train.device in ("cuda", "auto") and any(
+        (w.get("resources") or {}).get("GPU", 0) > 0 for w in workers.values())
+    return DaskTraining(prep, partitions_root, gpu)
+
+
+@contextmanager
+def dask_cluster(ex):
+    """The scheduler address for ``executor``: the configured one, or a LocalCluster started
+    here (``executor.workers`` processes, ``executor.threads_per_worker`` threads each, bound to
+    127.0.0.1, no dashboard) that is closed when the block ends, also on failure."""
+    import logging
+    import os
+
+    # quiet unless flock runs with --verbose: distributed logs every connection at INFO (the
+    # environment reaches the worker processes; an exported value wins)
+    quiet = os.environ.get("PREFECT_LOGGING_LEVEL", "").upper() not in ("DEBUG", "INFO")
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error" if quiet else "info")
+    logging.getLogger("distributed").setLevel(os.environ["DASK_LOGGING__DISTRIBUTED"].upper())
+    if ex.address:
+        yield ex.address
+        return
+    from distributed import LocalCluster
+
+    # no dashboard; the scheduler's HTTP endpoint (health, metrics) on a free loopback port
+    cluster = LocalCluster(n_workers=ex.workers, threads_per_worker=ex.threads_per_worker, processes=True,
+                           host="127.0.0.1", dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+                           silence_logs=logging.ERROR)
+    try:
+        yield cluster.scheduler_address
+    finally:
+        cluster.close()
+
+
+@contextmanager
+def shared_prefect_api(address: str):
+    """Workers on this machine report their task runs to this process's Prefect API.
+
+    Without ``PREFECT_API_URL`` Prefect runs an ephemeral API server per process, and the
+    settings the flow sends with each task would make every worker process start one of its
+    own (and leave it behind when the worker is killed). For a scheduler on a loopback address
+    the workers can reach the flow's ephemeral server, so its URL is made explicit for the
+    flow, and travels with the tasks. A configured ``PREFECT_API_URL`` is left alone."""
+    import ipaddress
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    try:
+        from distributed.comm import get_address_host
+
+        host = get_address_host(address)
+        local = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        local = False
+    if PREFECT_API_URL.value() or not local:
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()  # the process's ephemeral server (a singleton)
+    server.start()
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        yield
 
 
 CHECKPOINT_ARTIFACT_MAX = 64 << 20  # a larger checkpoint (dense per-client state) is referenced, not copied
@@ -186,6 +359,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     cfg = validate(config)
     run_path = Path(run_dir)
     prep = tasks.partition(cfg, partitions_root)
+    remote = _dask_stage(prep, partitions_root) if cfg.executor.kind == "dask" else None
     state, warnings = tasks.restore(Q(prep), run_dir)
     resumed_from = state.round
     tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id)
@@ -209,6 +383,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
 
     def after_round(st: ServerState, row: dict) -> None:
+        if remote:  # the round's traffic between this process and the workers (row is st.history[-1])
+            row.update(remote.take_counts())
         tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
         if tracker and row["round"] > logged:  # after a fallback to an older checkpoint, a
             tasks.log_metrics(Q(tracker), Q([row]))  # recomputed round was logged already
@@ -221,7 +397,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         clock.update(t0=now, body0=tasks.BODY_SECONDS[0])
 
     try:
-        state = rounds.drive(prep, state, task_stages(), on_pre_federation=after_pre_federation, on_round=after_round,
+        state = rounds.drive(prep, state, task_stages(remote), on_pre_federation=after_pre_federation, on_round=after_round,
                              on_cycle=after_cycle)
         bar.close()
         info = read_run_file(run_path)
@@ -259,6 +435,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "partition_sha256": prep.partition_hash,
         "partition_cached": prep.partition_cached,
         "checkpoint_warnings": warnings,
+        "executor": cfg.executor.kind,
+        **(_executor_summary(state.history) if remote else {}),
         "clients_dropped": int(sum(h.get("clients_dropped", 0) for h in state.history)),
         # every byte sent: the rounds' transfers plus the one-shot pre-federation upload/download
         "bytes_total": int(sum(h.get("bytes_total", 0) for h in state.history)
@@ -269,9 +447,26 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     }
 
 
+def _executor_summary(history: list[dict]) -> dict:
+    """Per-round medians of the traffic between the flow and the Dask workers."""
+    keys = ("executor_bytes_to_workers", "executor_bytes_from_workers")
+    rows = [h for h in history if keys[0] in h]
+    out = {f"{k}_median": float(np.median([h[k] for h in rows])) if rows else float("nan") for k in keys}
+    out["executor_shards_local"] = int(sum(h.get("executor_shards_local", 0) for h in rows))
+    return out
+
+
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, tracking_uri: str,
                    progress: bool = True, parent_run_id: Optional[str] = None) -> dict:
-    """Run the flow with a thread pool sized for the shards (one at a time on small machines)."""
+    """Run the flow with a thread pool sized for the shards (one at a time on small machines),
+    or with ``executor.kind=dask`` on a DaskTaskRunner (the scheduler at ``executor.address``, or
+    a LocalCluster started and closed here)."""
+    args = (cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id)
+    if cfg.executor.kind == "dask":
+        from prefect_dask import DaskTaskRunner
+
+        with dask_cluster(cfg.executor) as address, shared_prefect_api(address):
+            runner = DaskTaskRunner(address=address, client_kwargs={"timeout": f"{cfg.executor.connect_timeout_s}s"})
+            return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(*args)
     runner = ThreadPoolTaskRunner(max_workers=max(1, cfg.train.parallel_shards))
-    return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(
-        cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id)
+    return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(*args)

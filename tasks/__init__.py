@@ -79,6 +79,29 @@ def train_shard(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: i
     return rounds.train_shard(prep.ctx, spec, engine, round)
 
 
+def _retry_unless_setup_error(task, task_run, state) -> bool:
+    """A worker that cannot read the run's data fails the same way every time: no retry."""
+    from flockfl.executor import ExecutorError
+
+    try:
+        state.result()
+    except ExecutorError:
+        return False
+    except Exception:
+        return True
+    return True
+
+
+@task(name="train_shard_remote", retry_condition_fn=_retry_unless_setup_error, **_quiet)
+def train_shard_remote(job: bytes) -> bytes:
+    """One training shard on a Dask worker (``executor.kind=dask``): ``job`` is a pickled
+    :class:`flockfl.executor.ShardJob` (the shard's rows, no dataset); returns the pickled
+    (TrainResult, info). The worker loads the data once per process by content hash."""
+    from flockfl.executor import run_job
+
+    return run_job(job)
+
+
 @task(name="isolate_failures", **_quiet)
 @timed
 def isolate_failures(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int):

@@ -749,9 +749,11 @@ def partition_path(cfg: ExperimentConfig, root: str | Path = "data/partitions") 
     return plain
 
 
-def build_or_load(ds: Dataset, cfg: ExperimentConfig, root: str | Path = "data/partitions") -> tuple[Partition, Path, bool]:
+def build_or_load(ds: Dataset, cfg: ExperimentConfig, root: str | Path = "data/partitions",
+                  build: bool = True) -> tuple[Partition, Path, bool]:
     """Return (partition, path, cached): load it when a file with the same settings and data
-    exists, otherwise build and save it."""
+    exists, otherwise build and save it (``build=False``: refuse instead, e.g. on a Dask worker,
+    which must train on the flow's partition and never write one)."""
     path = partition_path(cfg, root)
     if path.exists():
         try:
@@ -760,6 +762,9 @@ def build_or_load(ds: Dataset, cfg: ExperimentConfig, root: str | Path = "data/p
                 return p, path, True
         except Exception:  # a damaged file is rebuilt, never trusted
             pass
+    if not build:
+        raise ConfigError(f"partition: no valid partition file for these settings and this data at {path}; "
+                          "point executor.data_root at the flow's partitions directory, with the same dataset files")
     p = make_partition(ds, cfg)
     save_partition(p, ds, path)
     return p, path, False
