@@ -184,16 +184,20 @@ def save_checkpoint(state: ServerState, run_dir: Path, keep: int = 3) -> Path:
     flush_all(state.algo, run_dir)
     path = checkpoint_path(run_dir, state.round)
     atomic_write(path, encode_state(state), state.round - 1)
-    kept = list_checkpoints(run_dir)
-    for old in kept[:-keep]:
+    ckpts = list_checkpoints(run_dir)
+    pruned, kept = ckpts[:-keep], ckpts[-keep:]
+    rows = any(True for _ in tables(state.algo))
+    pruned_algos = [_algo_of(p, run_dir) for p in pruned] if rows else []  # read before they go
+    for old in pruned:
         old.unlink(missing_ok=True)
-    if any(True for _ in tables(state.algo)):
-        collect_garbage(run_dir, [state.algo] + [_kept_algo(p, run_dir) for p in kept[-keep:] if p != path])
+    if pruned_algos:
+        collect_garbage(run_dir, pruned_algos, [state.algo] + [_algo_of(p, run_dir) for p in kept if p != path])
     return path
 
 
-def _kept_algo(path: Path, run_dir: Path) -> dict:
-    """The algo tree of a kept checkpoint (for garbage collection); unreadable ones keep nothing."""
+def _algo_of(path: Path, run_dir: Path) -> dict:
+    """The algo tree of a checkpoint (for garbage collection); an unreadable one holds nothing
+    (its rows are then left on disk, never a kept one's deleted)."""
     try:
         return decode_state(path.read_bytes(), str(path), run_dir).algo
     except (CheckpointError, OSError):

@@ -160,8 +160,11 @@ def test_garbage_collection_keeps_what_any_kept_state_refers_to(tmp_path):
     t1.flush(tmp_path / "client_state" / "t")
     t2 = t1.scatter([1], rows_of([1], 2.0))
     t2.flush(tmp_path / "client_state" / "t")
-    assert collect_garbage(tmp_path, [{"t": t1}, {"t": t2}]) == 0
-    assert collect_garbage(tmp_path, [{"t": t2}]) == 1
+    assert collect_garbage(tmp_path, [{"t": t1}], [{"t": t1}, {"t": t2}]) == 0
+    t3 = t2.scatter([1], rows_of([1], 1.0))  # back to t1's value: the same file
+    assert collect_garbage(tmp_path, [{"t": t1}], [{"t": t3}]) == 0
+    assert t1.gather([1])["w"][0, 0, 0] == 1.0
+    assert collect_garbage(tmp_path, [{"t": t1}], [{"t": t2}]) == 1
     assert t2.gather([1])["w"][0, 0, 0] == 2.0
     with pytest.raises(CheckpointError):
         t1.gather([1])
