@@ -69,7 +69,8 @@ class Progress:
 
 
 def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri: str,
-                  parent_run_id: Optional[str] = None) -> Optional[Tracker]:
+                  parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
+                  run_name: Optional[str] = None) -> Optional[Tracker]:
     if not cfg.tracking.enabled:
         return None
     info = read_run_file(run_dir)
@@ -77,7 +78,8 @@ def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri:
     tags = {"flockfl.run_dir": str(run_dir.resolve()), "flockfl.config_sha256": cfg.digest()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id  # a nested run (sweeps, comparisons)
-    tracker = Tracker(uri, cfg.tracking.experiment or cfg.name, run_dir.name, run_id=run_id,
+    tags.update(run_tags or {})
+    tracker = Tracker(uri, cfg.tracking.experiment or cfg.name, run_name or run_dir.name, run_id=run_id,
                       params=cfg.to_flat(), tags=tags)
     if run_id is None:
         info["mlflow_run_id"] = tracker.run_id
@@ -309,9 +311,12 @@ def checkpoint_reference(run_dir: Path, ckpt: Path, state: ServerState) -> dict:
             "resume": f"flock resume {run_dir.resolve()}"}
 
 
-def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, tracker: Optional[Tracker]) -> dict:
+def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, tracker: Optional[Tracker],
+              phases: Optional[dict] = None) -> dict:
     from flockfl import plots
 
+    phases = {} if phases is None else phases
+    t = time.perf_counter()
     cfg = prep.cfg
     out: dict[str, Any] = {}
     plot_dir = run_dir / "plots"
@@ -326,7 +331,15 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
         groups = prep.ctx.data.group[rows.numpy()] if rows is not None else prep.ctx.data.group
         for name, m in (state.algo.get("matrices") or {}).items():
             files.append(plots.matrix_heatmap(m.numpy(), groups, name, plot_dir / f"{name}.png"))
+    phases["plots"] = time.perf_counter() - t
+    # what `flock report` draws the assignment heat-maps from: cluster per client per round
+    # (-1 = not assigned) and each client's true group (-1 = unknown)
+    hist = np.asarray(state.assignment_history)
+    dtype = np.int16 if hist.size == 0 or hist.max() < 32767 else np.int32
+    assignments = run_dir / "assignments.npz"
+    np.savez_compressed(assignments, history=hist.astype(dtype), groups=np.asarray(prep.ctx.data.group, np.int32))
     if tracker:
+        tracker.log_artifact(assignments)
         for f in files:
             tracker.log_artifact(f, "plots")
         if "newcomers" in state.meta:
@@ -338,7 +351,9 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
                 tracker.log_artifact(ckpts[-1], "checkpoint")
         name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
         example = prep.ctx.data.train.x[:2].cpu().numpy()
+        t = time.perf_counter()
         out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example)
+        phases["models"] = time.perf_counter() - t
         tracker.set_tags({"flockfl.engine": state.meta.get("engine", ""),
                           "flockfl.engine_reason": state.meta.get("engine_reason", ""),
                           "flockfl.partition_sha256": prep.partition_hash,
@@ -349,7 +364,8 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
 @flow(name="flockfl-experiment", persist_result=False, log_prints=False)
 def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/partitions",
                     tracking_uri: str = "sqlite:///mlflow.db", progress: bool = True,
-                    parent_run_id: Optional[str] = None) -> dict:
+                    parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
+                    run_name: Optional[str] = None) -> dict:
     """Run (or continue) one experiment; returns the summary that ``flock run --json`` prints.
 
     The rounds are :func:`flockfl.rounds.drive` with task-wrapped stages (:func:`task_stages`);
@@ -358,11 +374,17 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     t_start = time.perf_counter()
     cfg = validate(config)
     run_path = Path(run_dir)
+    phases: dict[str, float] = {}
     prep = tasks.partition(cfg, partitions_root)
+    phases["partition"] = time.perf_counter() - t_start
     remote = _dask_stage(prep, partitions_root) if cfg.executor.kind == "dask" else None
+    t = time.perf_counter()
     state, warnings = tasks.restore(Q(prep), run_dir)
+    phases["restore"] = time.perf_counter() - t
+    t = time.perf_counter()
     resumed_from = state.round
-    tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id)
+    tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id, run_tags, run_name)
+    phases["tracker"] = time.perf_counter() - t
     logged = tracker.last_logged_round() if tracker else 0
     if tracker and logged == 0 and prep.info.get("heterogeneity"):  # the partition's heterogeneity measures
         tracker.log_values({f"partition_{k}": v for k, v in prep.info["heterogeneity"].items()
@@ -377,6 +399,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)  # resume never redoes it
         if tracker:
             tracker.log_pre_federation(st.meta["pre_federation"])
+        phases["pre_federation"] = time.perf_counter() - clock["drive0"]  # the algorithm's one-shot step
         clock.update(t0=time.perf_counter(), body0=tasks.BODY_SECONDS[0])
 
     def after_cycle(st: ServerState) -> None:  # mid-round (FedCluster's cycles): resume starts at the next cycle
@@ -397,12 +420,17 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         clock.update(t0=now, body0=tasks.BODY_SECONDS[0])
 
     try:
+        t = clock["drive0"] = clock["t0"] = time.perf_counter()
         state = rounds.drive(prep, state, task_stages(remote), on_pre_federation=after_pre_federation, on_round=after_round,
                              on_cycle=after_cycle)
         bar.close()
         info = read_run_file(run_path)
         # a resume of a run that had already finished must not register its models again
-        extra = {} if resumed_from >= cfg.train.rounds and info.get("finished") else _finalise(prep, state, run_path, tracker)
+        phases["drive"] = time.perf_counter() - t
+        t = time.perf_counter()
+        extra = ({} if resumed_from >= cfg.train.rounds and info.get("finished")
+                 else _finalise(prep, state, run_path, tracker, phases))
+        phases["finalise"] = time.perf_counter() - t
         info["finished"] = True
         write_run_file(run_path, info)
     except BaseException:
@@ -424,6 +452,10 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "metrics": summary["metrics"],
         "state_sha256": state.digest(),
         "wall_s": time.perf_counter() - t_start,
+        # the rounds this process ran (checkpoints and logging included) and the algorithm's one-shot
+        # pre-federation step: the run's compute; what the process spends beyond it is fixed cost
+        "rounds_wall_s": float(sum(periods)) + phases.get("pre_federation", 0.0),
+        "phases_s": phases,  # where the flow's time went (drive includes the rounds)
         "round_s_median": float(np.median(timed)) if timed else float("nan"),
         "compute_round_s_median": summary["round_s_median"],
         **{k: summary[k] for k in ("target_accuracy", "rounds_to_target", "sim_time_to_target") if k in summary},
@@ -457,16 +489,21 @@ def _executor_summary(history: list[dict]) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, tracking_uri: str,
-                   progress: bool = True, parent_run_id: Optional[str] = None) -> dict:
+                   progress: bool = True, parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
+                   run_name: Optional[str] = None) -> dict:
     """Run the flow with a thread pool sized for the shards (one at a time on small machines),
     or with ``executor.kind=dask`` on a DaskTaskRunner (the scheduler at ``executor.address``, or
     a LocalCluster started and closed here)."""
-    args = (cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id)
+    from flows import apiserver
+
+    apiserver.wait_ready()  # the per-process API flock started first thing (no-op otherwise)
+    args = (cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id, run_tags, run_name)
+    flow_run_name = run_name or cfg.name
     if cfg.executor.kind == "dask":
         from prefect_dask import DaskTaskRunner
 
         with dask_cluster(cfg.executor) as address, shared_prefect_api(address):
             runner = DaskTaskRunner(address=address, client_kwargs={"timeout": f"{cfg.executor.connect_timeout_s}s"})
-            return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(*args)
+            return experiment_flow.with_options(task_runner=runner, flow_run_name=flow_run_name)(*args)
     runner = ThreadPoolTaskRunner(max_workers=max(1, cfg.train.parallel_shards))
-    return experiment_flow.with_options(task_runner=runner, flow_run_name=cfg.name)(*args)
+    return experiment_flow.with_options(task_runner=runner, flow_run_name=flow_run_name)(*args)

@@ -12,6 +12,7 @@ import contextlib
 import io
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -35,6 +36,9 @@ def _numeric(row: dict[str, Any]) -> dict[str, float]:
         if math.isfinite(float(v)):
             out[k] = float(v)
     return out
+
+
+_EXPORT_LOCK = threading.Lock()
 
 
 class Tracker:
@@ -98,11 +102,18 @@ class Tracker:
     def log_dict(self, obj: dict, name: str) -> None:
         self.client.log_dict(self.run_id, obj, name)
 
+    def log_text(self, text: str, name: str) -> None:
+        self.client.log_text(self.run_id, text, name)
+
     def log_artifact(self, path: Path, subdir: Optional[str] = None) -> None:
         self.client.log_artifact(self.run_id, str(path), subdir)
 
     def log_models(self, model, stacked: dict, registered_name: Optional[str], input_example) -> list[str]:
         """Log one model per cluster with mlflow.pytorch and register each as a version."""
+        with _EXPORT_LOCK:  # torch.export traces through process-global state: one model at a time
+            return self._log_models(model, stacked, registered_name, input_example)
+
+    def _log_models(self, model, stacked: dict, registered_name: Optional[str], input_example) -> list[str]:
         import copy
 
         import mlflow
@@ -117,9 +128,11 @@ class Tracker:
             for j in range(k):
                 net = copy.deepcopy(model).cpu()
                 net.load_state_dict({n: v[j].cpu() for n, v in stacked.items()}, strict=False)
+                # the k models share one architecture: MLflow's check that a logged model loads and
+                # serves its input example (~0.1 s, it loads the model back) runs on the first only
                 info = mlflow.pytorch.log_model(
                     net, name=f"cluster_{j}", input_example=input_example, pip_requirements=reqs,
-                    registered_model_name=registered_name,
+                    registered_model_name=registered_name, validate_serving_input=j == 0,
                 )
                 if registered_name and getattr(info, "registered_model_version", None):
                     self.client.set_model_version_tag(registered_name, str(info.registered_model_version), "cluster", str(j))

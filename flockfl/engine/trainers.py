@@ -287,8 +287,11 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
 
 
 def configure_threads(threads: int = 0) -> int:
-    """Set torch's intra-op threads deliberately (0 = the cores we may use, at most 4)."""
-    n = threads or max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """Set torch's intra-op threads deliberately (0 = the cores we may use, at most 4, and at
+    most ``FLOCKFL_MAX_THREADS`` when set: ``flock sweep --parallel N`` shares the cores)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cap = int(os.environ.get("FLOCKFL_MAX_THREADS") or 4)
+    n = threads or max(1, min(cap, 4, cores))
     torch.set_num_threads(n)
     return n
 

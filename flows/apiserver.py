@@ -1,0 +1,154 @@
+"""The per-process Prefect API that ``flock run``, ``resume`` and ``sweep`` use without a server.
+
+Prefect's own ephemeral mode starts its API server lazily, when the flow first needs a
+client: the process then imports Prefect's whole server package (~2–4 s on 2 cores) only to
+spawn it, and waits idle for it to answer (~4 s more). Its child also outlives a ``flock``
+that is SIGKILLed, orphaned to init.
+
+Here the same server (``uvicorn prefect.server.api.server:create_app``, ephemeral settings,
+127.0.0.1, a free port) is spawned first thing, before torch, MLflow and Prefect are
+imported, so it starts on the other core while this process imports and loads data; the
+flow then finds it through ``PREFECT_API_URL``. The child is tied to this process:
+
+- on Linux it gets ``PR_SET_PDEATHSIG`` (SIGTERM when its parent dies, however it dies) and
+  exits by itself if the parent was already gone when it started;
+- a normal exit stops it (``atexit``).
+
+A ``PREFECT_API_URL`` the user exported (``flock server``, Prefect Cloud) is used as is and
+nothing is started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+_server: Optional["ApiServer"] = None
+
+
+class ApiServerError(RuntimeError):
+    """The per-process Prefect API did not start; the message is one line."""
+
+
+def _tie_to_parent(parent: int):
+    """preexec_fn: SIGTERM this child when the parent dies (Linux); exit if it already died."""
+
+    def tie() -> None:
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:  # not Linux: atexit still stops it on a normal exit
+            return
+        if os.getppid() != parent:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return tie
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ApiServer:
+    """One ephemeral Prefect API server process, tied to this process."""
+
+    def __init__(self, log_dir: Path):
+        spec = importlib.util.find_spec("prefect")  # found, not imported (importing costs ~2 s)
+        if spec is None or not spec.submodule_search_locations:
+            raise ApiServerError("Prefect is not installed; reinstall flockfl (./run test sets it up)")
+        self.app_dir = str(Path(list(spec.submodule_search_locations)[0]).parent)
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"api-server-{os.getpid()}.log"
+        self.proc: Optional[subprocess.Popen] = None
+        self.port = 0
+        self.ready = False
+        self._spawn()
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def _spawn(self) -> None:
+        self.port = _free_port()
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+        env.pop("PREFECT_API_URL", None)
+        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", self.app_dir, "--factory",
+               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+               "--log-level", "error", "--lifespan", "on"]
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                         preexec_fn=_tie_to_parent(os.getpid()))
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Block until the API answers its health check (it started while we were importing)."""
+        if self.ready:
+            return
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        retries = 3
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                if code == 3 and retries:  # uvicorn: the port was taken meanwhile; another one
+                    retries -= 1
+                    self._spawn()
+                    continue
+                raise ApiServerError(f"Prefect's API server exited with code {code} while starting; "
+                                     f"its log is {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        self.ready = True
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.05)
+        raise ApiServerError(f"Prefect's API server did not answer within {timeout:.0f} s; its log is {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc and self.proc.returncode in (0, -signal.SIGTERM):
+            self.log_path.unlink(missing_ok=True)  # nothing to read after a clean stop
+
+
+def start(home: Optional[str] = None) -> Optional[ApiServer]:
+    """Spawn the process's API server and point ``PREFECT_API_URL`` at it (once per process).
+
+    Returns None when the user configured an API (``PREFECT_API_URL``) or the profile names one."""
+    global _server
+    if _server is not None:
+        return _server
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    home_dir = Path(home or os.environ.get("PREFECT_HOME") or Path.cwd() / ".prefect")
+    _server = ApiServer(home_dir / "logs")
+    atexit.register(_server.stop)
+    os.environ["PREFECT_API_URL"] = _server.api_url
+    # the ephemeral server never checks a client's version against its own: same package
+    return _server
+
+
+def wait_ready(timeout: float = 60.0) -> None:
+    """Before the first flow: the API must answer (no-op for a configured PREFECT_API_URL)."""
+    if _server is not None:
+        _server.wait(timeout)
