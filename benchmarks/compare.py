@@ -1,7 +1,9 @@
 """Run several algorithms on one partition and print a markdown table.
 
 Every algorithm runs through the real experiment flow (Prefect, checkpoints, MLflow), as a
-nested MLflow run under one parent run. Columns: final and best mean client accuracy, final
+nested MLflow run under one parent run, all in this one process: this is ``flock sweep``'s
+machinery (flows/sweep.py) with one named variant per algorithm. Running the same command
+again continues an interrupted comparison. Columns: final and best mean client accuracy, final
 10th-percentile client accuracy, rounds and simulated time to the target accuracy, wall
 seconds.
 
@@ -39,48 +41,30 @@ def algorithm_overrides(name: str, cfg) -> list[str]:
     return []
 
 
-def run_one(name: str, cfg, base, stamp: str, uri: str, parent_run_id: str):
-    """One configuration through the experiment flow, as a nested MLflow run; returns a table row."""
+def run_variants(base_ref: str, variants: list[tuple[str, list[str]]], overrides: list[str], params: str,
+                 tracking_uri=None, parent_name: str | None = None, parallel: int = 1):
+    """Every (label, overrides) variant of one base config in this process (``flock sweep``'s
+    machinery), each a nested MLflow run under one parent; returns (base config, MLflow parent
+    run id, [(label, summary, best accuracy)]). A bad config or an impossible partition raises
+    ConfigError before anything runs; the same call again continues an interrupted comparison."""
     from mlflow.tracking import MlflowClient
 
-    from flows.experiment import run_experiment
+    from flows.sweep import plan_sweep, run_sweep
 
-    cfg = cfg.model_copy(update={"name": f"{base.name}-{name}",
-                                 "tracking": cfg.tracking.model_copy(update={"experiment": f"compare-{base.name}",
-                                                                             "register_model": False})})
-    print(f"running {name} ...", file=sys.stderr, flush=True)
-    s = run_experiment(cfg, Path(f"runs/compare-{stamp}/{name}"), "data/partitions", uri, progress=False,
-                       parent_run_id=parent_run_id)
-    best = max((m.value for m in MlflowClient(uri).get_metric_history(s["run_id"], "accuracy")), default=float("nan"))
-    return name, s, best
-
-
-def run_variants(base_ref: str, variants: list[tuple[str, list[str]]], overrides: list[str], params: str,
-                 tracking_uri=None, parent_name: str | None = None):
-    """Every (label, overrides) variant of one base config, each a nested MLflow run under one
-    parent; returns (base config, MLflow parent run id, [(label, summary, best accuracy)]).
-    A bad config or an impossible partition raises ConfigError before anything runs."""
-    from flockfl.config import load_experiment
-    from flows.cli import _build_partition
-    from tasks.tracking import Tracker, resolve_tracking_uri
-
-    base = load_experiment(base_ref, overrides, params)
-    cfgs = {label: load_experiment(base_ref, overrides + extra, params) for label, extra in variants}
-    for cfg in cfgs.values():  # data errors are one line, before any run starts
-        _build_partition(cfg, "data/partitions")
-    uri = resolve_tracking_uri(tracking_uri, base.tracking.uri)
+    plan = plan_sweep(base_ref, [], None, overrides, params, variants=variants)
+    base = plan.base
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    parent = Tracker(uri, f"compare-{base.name}", parent_name or f"compare-{stamp}",
-                     params={"variants": ",".join(cfgs), "base": base_ref, **base.to_flat()})
+    result = run_sweep(plan, Path("runs") / f"compare-{base.name}-{plan.digest[:10]}", tracking_uri, "data/partitions",
+                       parallel, parent_name or f"compare-{stamp}", experiment=f"compare-{base.name}")
+    client = MlflowClient(result.tracking_uri)
     rows = []
-    try:
-        for label, cfg in cfgs.items():
-            rows.append(run_one(label, cfg, base, stamp, uri, parent.run_id))
-    except BaseException:
-        parent.finish("FAILED")
-        raise
-    parent.finish()
-    return base, parent.run_id, rows
+    for child in plan.children:
+        if child.status != "finished":
+            print(f"compare: {child.label} failed: {child.error}", file=sys.stderr)
+            continue
+        hist = client.get_metric_history(child.summary["run_id"], "accuracy") if child.summary.get("run_id") else []
+        rows.append((child.label, child.summary, max((m.value for m in hist), default=float("nan"))))
+    return base, result.parent_run_id, rows
 
 
 COLUMNS = [  # (header, summary key or metric, format)
@@ -113,9 +97,13 @@ def main() -> int:
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--target", type=float, default=None, help="target mean client accuracy (default: train.target_accuracy)")
     ap.add_argument("--tracking-uri")
+    ap.add_argument("--parallel", type=int, default=1, help="runs at a time (threads sharing the cores)")
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     args = ap.parse_args()
     configure_environment()
+    from flows import apiserver
+
+    apiserver.start()  # Prefect's API starts on the other core while torch, MLflow and the data load
     from flockfl.config import ConfigError, load_experiment
 
     try:
@@ -123,7 +111,8 @@ def main() -> int:
         target = args.target if args.target is not None else base.train.target_accuracy
         extra = [f"train.target_accuracy={target}"] if target is not None else []
         variants = [(a, extra + [f"algorithm.name={a}"] + algorithm_overrides(a, base)) for a in args.algorithms]
-        base, parent, rows = run_variants(args.base, variants, args.overrides, args.params, args.tracking_uri)
+        base, parent, rows = run_variants(args.base, variants, args.overrides, args.params, args.tracking_uri,
+                                          parallel=args.parallel)
     except ConfigError as err:
         print(f"compare: error: {err}", file=sys.stderr)
         return 2

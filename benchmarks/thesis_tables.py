@@ -170,6 +170,9 @@ def main() -> int:
     ap.add_argument("--params", default=str(ROOT / "params.yaml"))
     args = ap.parse_args()
     configure_environment()
+    from flows import apiserver
+
+    apiserver.start()  # Prefect's API starts on the other core while torch, MLflow and the data load
     from flockfl.config import ConfigError
 
     try:

@@ -1,0 +1,226 @@
+"""`flock sweep` (one process, nested MLflow runs, resume after SIGKILL) and the per-process
+Prefect API (it starts first, dies with a SIGKILLed flock): real flock processes, a real
+Prefect API, a real MLflow SQLite store."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import ROOT, flock_env, last_json, run_flock
+
+pytestmark = pytest.mark.slow
+
+CONFIG = {
+    "name": "sw", "seed": 0,
+    "dataset": {"name": "digits"},
+    "partition": {"scheme": "rotated", "num_clients": 12, "k": 2},
+    "model": {"name": "mlp", "hidden": 16},
+    "algorithm": {"name": "ifca", "k": 2, "init": "random"},
+    "train": {"rounds": 3, "clients_per_round": 6, "local_epochs": 1, "batch_size": 16, "lr": 0.1, "engine": "vectorized"},
+    "tracking": {"register_model": False},
+}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sweep")
+    (d / "sw.yaml").write_text(yaml.safe_dump(CONFIG))
+    (d / "long.yaml").write_text(yaml.safe_dump({**CONFIG, "name": "long", "train": {**CONFIG["train"], "rounds": 60}}))
+    return d
+
+
+def uri(project) -> str:
+    return f"sqlite:///{project}/mlflow.db"
+
+
+def sweep_cmd(project, *extra) -> list[str]:
+    return ["sweep", "sw.yaml", "--grid", "train.lr=0.05,0.1", "--seeds", "0", "1", "--tracking-uri", uri(project),
+            "--json", *extra]
+
+
+@pytest.fixture(scope="module")
+def swept(project):
+    res = run_flock(sweep_cmd(project, "--sweep-dir", "runs/grid"), project)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def test_sweep_prints_mean_std_per_combination(swept):
+    s = last_json(swept.stdout)
+    assert s["runs"] == 4 and s["finished"] == 4 and s["failed"] == 0 and not s["continued"]
+    assert set(s["combinations"]) == {"train.lr=0.05", "train.lr=0.1"}
+    rows = [line for line in swept.stdout.splitlines() if line.startswith("| train.lr=")]
+    assert len(rows) == 2 and all("±" in r for r in rows)
+    assert s["fixed_s_per_run_median"] is not None and s["fixed_s_per_run_median"] > 0
+
+
+def test_sweep_runs_are_nested_mlflow_runs_with_tags(project, swept):
+    from mlflow.tracking import MlflowClient
+
+    s = last_json(swept.stdout)
+    client = MlflowClient(uri(project))
+    parent = client.get_run(s["parent_run_id"])
+    assert parent.info.status == "FINISHED"
+    kids = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert len(kids) == 4 and all(k.info.status == "FINISHED" for k in kids)
+    combos = sorted((k.data.tags["flockfl.sweep.combo"], k.data.tags["flockfl.seed"]) for k in kids)
+    assert combos == [("train.lr=0.05", "0"), ("train.lr=0.05", "1"), ("train.lr=0.1", "0"), ("train.lr=0.1", "1")]
+    assert {k.data.params["train.lr"] for k in kids} == {"0.05", "0.1"} and {k.data.params["seed"] for k in kids} == {"0", "1"}
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id, "sweep")}
+    assert arts == {"sweep/summary.json", "sweep/summary.md"}
+    for label, row in s["combinations"].items():
+        accs = [k.data.metrics["accuracy"] for k in kids if k.data.tags["flockfl.sweep.combo"] == label]
+        mean = sum(accs) / 2
+        assert row["metrics"]["accuracy"]["mean"] == pytest.approx(mean)
+        assert row["metrics"]["accuracy"]["std"] == pytest.approx(math.sqrt(sum((a - mean) ** 2 for a in accs)))
+
+
+def test_a_sweep_run_equals_the_same_flock_run(project, swept):
+    """Sharing one process changes nothing: a child's state equals a separate `flock run`."""
+    s = last_json(swept.stdout)
+    res = run_flock(["run", "sw.yaml", "--set", "train.lr=0.1", "--set", "seed=1", "--run-dir", "runs/single",
+                     "--json", "--tracking-uri", uri(project)], project)
+    assert res.returncode == 0, res.stderr
+    assert last_json(res.stdout)["state_sha256"] == s["children"]["train.lr=0.1 seed=1"]["state_sha256"]
+
+
+def test_same_command_again_keeps_finished_runs(project, swept):
+    s = last_json(swept.stdout)
+    again = run_flock(sweep_cmd(project, "--sweep-dir", "runs/grid"), project)
+    assert again.returncode == 0, again.stderr
+    a = last_json(again.stdout)
+    assert a["continued"] and a["parent_run_id"] == s["parent_run_id"]
+    assert {k: c["run_id"] for k, c in a["children"].items()} == {k: c["run_id"] for k, c in s["children"].items()}
+    assert "4 of 4 runs finished" in again.stderr
+
+
+def test_parallel_sweep_gives_the_same_runs(project, swept):
+    """--parallel 2: two runs at a time on threads that share the cores, same results."""
+    s = last_json(swept.stdout)
+    res = run_flock(sweep_cmd(project, "--sweep-dir", "runs/parallel", "--parallel", "2"), project)
+    assert res.returncode == 0, res.stderr
+    p = last_json(res.stdout)
+    assert p["finished"] == 4
+    assert {k: c["state_sha256"] for k, c in p["children"].items()} == {k: c["state_sha256"] for k, c in s["children"].items()}
+
+
+def test_bad_grid_is_one_line(project):
+    for grid, needle in (("train.lr", "KEY=V1,V2"), ("train.nonsense=1,2", "nonsense")):
+        res = run_flock(["sweep", "sw.yaml", "--grid", grid, "--tracking-uri", uri(project)], project)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("flock: error:") and needle in lines[0], res.stderr
+
+
+def _popen_flock(args, cwd: Path, out):
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(), stdout=out,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _wait_for(pred, timeout: float, proc=None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"flock exited ({proc.returncode}) before the condition held")
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+def test_killed_sweep_resumes_from_checkpoints(project):
+    """SIGKILL the sweep during its second run; the same command again keeps the first run as
+    it was and resumes the second from its checkpoint, bit-identical to an uninterrupted run."""
+    cmd = ["sweep", "long.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/killed", "--tracking-uri", uri(project), "--json"]
+    second = project / "runs/killed/base-seed1/checkpoints"
+    with tempfile.TemporaryFile("w+") as out:
+        proc = _popen_flock(cmd, project, out)
+        try:
+            _wait_for(lambda: len(list(second.glob("ckpt-*.pt"))) >= 3, 240, proc)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    first = project / "runs/killed/base-seed0"
+    state = json.loads((project / "runs/killed/sweep.json").read_text())
+    assert state["runs"]["base seed=0"]["status"] == "finished" and state["runs"]["base seed=1"]["status"] == "pending"
+    first_ckpts = {p.name: p.stat().st_mtime_ns for p in (first / "checkpoints").glob("ckpt-*.pt")}
+
+    res = run_flock(cmd, project)
+    assert res.returncode == 0, res.stderr
+    s = last_json(res.stdout)
+    assert s["continued"] and s["finished"] == 2 and s["parent_run_id"] == state["parent_run_id"]
+    assert "1 of 2 runs finished, 1 resume from checkpoints" in res.stderr
+    assert {p.name: p.stat().st_mtime_ns for p in (first / "checkpoints").glob("ckpt-*.pt")} == first_ckpts
+    final = json.loads((project / "runs/killed/sweep.json").read_text())["runs"]["base seed=1"]["summary"]
+    assert final["resumed_from_round"] >= 2
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri(project))
+    kids = client.search_runs([client.get_run(s["parent_run_id"]).info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{s['parent_run_id']}'")
+    assert len(kids) == 2 and all(k.info.status == "FINISHED" for k in kids)  # the resumed run kept its MLflow run
+
+    ref = run_flock(["run", "long.yaml", "--set", "seed=1", "--run-dir", "runs/long-ref", "--json",
+                     "--tracking-uri", uri(project)], project)
+    assert ref.returncode == 0, ref.stderr
+    assert last_json(ref.stdout)["state_sha256"] == s["children"]["base seed=1"]["state_sha256"]
+
+
+def test_sigkilled_flock_run_leaves_no_process(project):
+    """The per-process Prefect API server starts with flock and dies with it, even on SIGKILL."""
+    import psutil
+
+    run_dir = project / "runs/orphan"
+    with tempfile.TemporaryFile("w+") as out:
+        proc = _popen_flock(["run", "long.yaml", "--run-dir", str(run_dir), "--tracking-uri", uri(project)], project, out)
+        try:
+            _wait_for(lambda: len(list((run_dir / "checkpoints").glob("ckpt-*.pt"))) >= 2, 180, proc)
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            api = [k for k in kids if "prefect.server.api.server:create_app" in " ".join(k.cmdline())]
+            assert api, f"no Prefect API server among flock's children: {[k.cmdline() for k in kids]}"
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            gone, alive = psutil.wait_procs(kids, timeout=20)
+            assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_flock_run_reports_its_fixed_cost(project):
+    res = run_flock(["run", "sw.yaml", "--run-dir", "runs/cost", "--json", "--tracking-uri", uri(project)], project)
+    assert res.returncode == 0, res.stderr
+    s = last_json(res.stdout)
+    assert s["process_wall_s"] > s["wall_s"] > 0 and 0 < s["rounds_wall_s"] < s["wall_s"]
+    assert s["outside_rounds_s"] == pytest.approx(s["process_wall_s"] - s["rounds_wall_s"])
+    assert {"partition", "restore", "tracker", "drive", "finalise", "models", "plots"} <= set(s["phases_s"])
+
+
+def test_an_exported_prefect_api_url_is_used(project):
+    """With PREFECT_API_URL set (flock server, Prefect Cloud) flock starts no server of its own."""
+    from flows import apiserver
+
+    env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    code = ("import os; from flows import apiserver; s = apiserver.start(); "
+            "print(s is None, os.environ['PREFECT_API_URL'])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "http://127.0.0.1:9/api"]
+    assert apiserver.ApiServerError  # the one-line error type the CLI catches
