@@ -1,0 +1,544 @@
+"""``flock server`` and ``flock schedule``: a persistent Prefect server, and experiments on a cron.
+
+``flock server`` starts ``prefect server start`` on 127.0.0.1 with the UI and the services a
+schedule needs (the per-process ephemeral API that ``flock run`` uses has them off).
+
+``flock schedule EXPERIMENT --cron …`` registers a deployment of :data:`scheduled_experiment`
+and serves it in the foreground with a Prefect ``Runner`` (what ``flow.serve`` does), so each
+run executes in a subprocess of this command, on this machine, where the data and the run
+directories are. Each scheduled run resumes the last run of the same config if it was cut off,
+and starts a new one otherwise:
+
+    runs/scheduled/<experiment>-<config digest[:12]>/<YYYYmmddTHHMMSS>/
+
+The module stays light at import (the CLI imports it for every command): Prefect is imported
+inside functions, and the flow object is built on first access (module ``__getattr__``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+FLOW_NAME = "flockfl-scheduled"
+TAG = "flockfl"
+STAMP = "%Y%m%dT%H%M%S"
+
+
+def _user_error(msg: str) -> Exception:
+    """``flows.cli.UserError`` of the CLI that is running (one line, exit 2). Under
+    ``python -m flows.cli`` that module is ``__main__``, and ``import flows.cli`` would make a
+    second copy whose UserError the running CLI does not catch."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) == "flows.cli":
+        return main.UserError(msg)
+    from flows.cli import UserError
+
+    return UserError(msg)
+
+
+# ---------------------------------------------------------------------- the scheduled flow
+
+
+def schedule_root(runs_root: str | Path, cfg) -> Path:
+    """Where the runs of one config live: ``<runs_root>/<experiment>-<digest[:12]>``."""
+    return Path(runs_root) / f"{cfg.name}-{cfg.digest()[:12]}"
+
+
+def latest_run_dir(root: Path) -> Optional[Path]:
+    dirs = sorted(p for p in Path(root).iterdir() if p.is_dir() and not p.name.startswith(".")) if Path(root).is_dir() else []
+    return dirs[-1] if dirs else None
+
+
+def resume_or_start(root: Path) -> tuple[Path, bool]:
+    """``(run_dir, fresh)``: the most recent run under ``root`` if it holds checkpoints and did
+    not finish (a run cut off by a crash, a reboot or Ctrl-C), else a new timestamped one."""
+    from flockfl.state import list_checkpoints
+
+    from flows.experiment import read_run_file
+
+    last = latest_run_dir(root)
+    if last is not None and list_checkpoints(last) and not read_run_file(last).get("finished"):
+        return last, False
+    stamp = dt.datetime.now().strftime(STAMP)
+    run_dir, n = root / stamp, 1
+    while run_dir.exists():  # two runs in one second
+        run_dir, n = root / f"{stamp}.{n}", n + 1
+    return run_dir, True
+
+
+def run_scheduled(experiment: str, overrides: Optional[list[str]] = None, params: str = "params.yaml",
+                  tracking_uri: Optional[str] = None, partitions_root: str = "data/partitions",
+                  runs_root: str = "runs/scheduled", config_digest: Optional[str] = None, log=print) -> dict:
+    """One scheduled run: resolve the config, then resume the last cut-off run of it or start
+    a new one, through ``flock run``'s own path (``flows.cli._execute``). Returns its summary
+    plus ``scheduled_action`` (``resumed``, ``started`` or ``skipped``) and ``run_dir``."""
+    import argparse
+    import fcntl
+
+    from flockfl.config import load_experiment
+    from flockfl.state import list_checkpoints
+
+    from flows.cli import _execute
+    from flows.experiment import read_run_file
+
+    cfg = load_experiment(experiment, overrides or [], params)
+    if config_digest and cfg.digest() != config_digest:
+        log(f"the config of {experiment!r} changed since it was scheduled (digest {config_digest[:12]} → "
+            f"{cfg.digest()[:12]}); running the current one in its own folder")
+    root = schedule_root(runs_root, cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / ".lock", "w")
+    try:
+        try:  # a run still going (a slow run and a frequent cron) keeps its folder to itself
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"skipped: the previous run of {cfg.name} in {root} is still running")
+            return {"scheduled_action": "skipped", "run_dir": str(latest_run_dir(root)), "experiment": cfg.name}
+        run_dir, fresh = resume_or_start(root)
+        if fresh:
+            log(f"started a new run of {cfg.name} in {run_dir}")
+        else:
+            info = read_run_file(run_dir)
+            n = len(list_checkpoints(run_dir))
+            log(f"resuming the unfinished run of {cfg.name} in {run_dir} "
+                f"({n} checkpoint(s), created {info.get('created', '?')})")
+            tracking_uri = tracking_uri or info.get("tracking_uri")
+        args = argparse.Namespace(tracking_uri=tracking_uri, partitions=partitions_root, no_progress=True,
+                                  metrics_file=None)
+        summary = _execute(cfg, run_dir, args, fresh=fresh)
+        summary.update(scheduled_action="started" if fresh else "resumed", run_dir=str(run_dir))
+        resumed = f" (resumed from round {summary['resumed_from_round']})" if not fresh else ""
+        log(f"{cfg.name}: {summary['rounds']} rounds done in {run_dir}{resumed}; "
+            f"accuracy {summary['metrics'].get('accuracy', float('nan')):.4f}, MLflow run {summary.get('run_id')}")
+        return summary
+    finally:
+        lock.close()
+
+
+def _scheduled_body(experiment: str, overrides: Optional[list[str]] = None, params: str = "params.yaml",
+                    tracking_uri: Optional[str] = None, partitions_root: str = "data/partitions",
+                    runs_root: str = "runs/scheduled", config_digest: Optional[str] = None):
+    from prefect import get_run_logger
+    from prefect.states import Completed
+
+    from flows.env import configure_environment
+
+    configure_environment()  # the runner starts each run in a fresh process
+    logger = get_run_logger()
+    out = run_scheduled(experiment, overrides, params, tracking_uri, partitions_root, runs_root, config_digest,
+                        log=logger.info)
+    if out["scheduled_action"] == "skipped":
+        return Completed(name="Skipped", message=f"the previous run in {out['run_dir']} is still running", data=out)
+    return out
+
+
+def _make_flow():
+    from prefect import flow
+
+    def scheduled_experiment(experiment: str, overrides: Optional[list[str]] = None, params: str = "params.yaml",
+                             tracking_uri: Optional[str] = None, partitions_root: str = "data/partitions",
+                             runs_root: str = "runs/scheduled", config_digest: Optional[str] = None) -> Any:
+        """A scheduled flockfl experiment: resume its last cut-off run, or start a new one.
+
+        The experiment itself runs as the ``flockfl-experiment`` subflow, one task per stage per round."""
+        return _scheduled_body(experiment, overrides, params, tracking_uri, partitions_root, runs_root, config_digest)
+
+    return flow(name=FLOW_NAME, persist_result=False, log_prints=True)(scheduled_experiment)
+
+
+def __getattr__(name: str):
+    # ``flows.schedule.scheduled_experiment`` (the deployment's entrypoint) builds the flow on
+    # first use, so that importing this module does not import Prefect
+    if name == "scheduled_experiment":
+        globals()[name] = _make_flow()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------------- flock server
+
+
+def server_env(port: int) -> dict:
+    """The environment of ``prefect server start``: flockfl's defaults turn the UI and the
+    server's services off (right for the ephemeral API of one ``flock run``); a server that
+    keeps schedules needs them on. Its UI talks to its own API, whatever PREFECT_API_URL says."""
+    from flows.env import DEFAULTS
+
+    env = dict(os.environ)
+    for key in DEFAULTS:
+        if key.startswith("PREFECT_SERVER_SERVICES_") and key.endswith("_ENABLED"):
+            env[key] = "true"
+    env.pop("PREFECT_UI_ENABLED", None)  # the legacy alias flows.env sets
+    url = f"http://127.0.0.1:{port}"
+    env.update({"PREFECT_SERVER_UI_ENABLED": "true", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+                "PREFECT_SERVER_UI_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api", "PREFECT_API_URL": f"{url}/api",
+                "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)})
+    return env
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _healthy(api_url: str, timeout: float = 2.0) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+def cmd_server(args) -> int:
+    import signal
+    import subprocess
+
+    port = args.port
+    if not 0 < port < 65536:
+        raise _user_error(f"--port {port}: not a TCP port; pick one in 1-65535")
+    if not _port_free(port):
+        raise _user_error(f"port {port} on 127.0.0.1 is in use (a server already running?); pick another with --port")
+    url = f"http://127.0.0.1:{port}"
+    home = os.environ.get("PREFECT_HOME", "~/.prefect")
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=server_env(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    early, ready = _relay(proc)
+
+    stop = {"by": "Ctrl-C"}
+
+    def _term(signum, frame):  # `kill` of flock stops the server too
+        stop["by"] = "SIGTERM"
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        t0 = time.monotonic()
+        while not _healthy(f"{url}/api", timeout=1.0):
+            if proc.poll() is not None:
+                last = next((ln for ln in reversed(early) if ln.strip()), "no output")
+                raise _user_error(f"the Prefect server exited during start-up (code {proc.returncode}): {last.strip()}")
+            if time.monotonic() - t0 > 180:
+                raise _user_error(f"the Prefect server did not answer at {url}/api/health within 180 s")
+            time.sleep(0.3)
+        print(f"Prefect server ready in {time.monotonic() - t0:.0f}s (database in {home}); Ctrl-C stops it.\n"
+              f"  UI:  {url}\n"
+              f"  API: {url}/api\n"
+              f"In the shell that runs flock schedule (or flock run, to see its runs in the UI):\n"
+              f"  export PREFECT_API_URL={url}/api", flush=True)
+        ready.set()
+        return proc.wait()
+    except KeyboardInterrupt:
+        # a terminal's Ctrl-C reached the server too (same process group): give it time to stop
+        _stop(proc, first_wait=10 if stop["by"] == "Ctrl-C" else 0)
+        print(f"flock: Prefect server stopped ({stop['by']})", file=sys.stderr)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        _stop(proc, first_wait=0)
+
+
+def _relay(proc):
+    """Read the server's output: kept until it is ready (its banner suggests ``prefect config
+    set``; flock prints what to export instead, and the kept lines explain a failed start),
+    passed on to stderr afterwards (warnings, errors)."""
+    import collections
+    import threading
+
+    early: collections.deque = collections.deque(maxlen=200)
+    ready = threading.Event()
+
+    def pump():
+        for line in proc.stdout:
+            if ready.is_set():
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            else:
+                early.append(line)
+
+    threading.Thread(target=pump, name="prefect-server-output", daemon=True).start()
+    return early, ready
+
+
+def _stop(proc, first_wait: float) -> None:
+    """Stop the server process: wait, then SIGTERM (uvicorn shuts down cleanly), then SIGKILL."""
+    import subprocess
+
+    for action, wait in ((None, first_wait), (proc.terminate, 15), (proc.kill, 10)):
+        if proc.poll() is not None:
+            return
+        if action:
+            action()
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# ---------------------------------------------------------------------- flock schedule
+
+
+def _api_url() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    url = (PREFECT_API_URL.value() or "").rstrip("/")
+    if not url:
+        raise _user_error("flock schedule needs a Prefect server: start one with `flock server` and "
+                          "export PREFECT_API_URL=http://127.0.0.1:4200/api")
+    if not _healthy(url, timeout=5):
+        raise _user_error(f"no Prefect server answers at PREFECT_API_URL={url}; start one with `flock server` "
+                          f"(or fix PREFECT_API_URL)")
+    return url
+
+
+def _ui_url(api_url: str) -> str:
+    from prefect.settings import PREFECT_UI_URL
+
+    return (PREFECT_UI_URL.value() or api_url.removesuffix("/api")).rstrip("/")
+
+
+def ui_link(ui_url: str, path: str) -> str:
+    """``ui_url + path`` in the UI a browser gets by default: Prefect 3.8 serves its classic UI at
+    ``/`` and the new one at ``/v2`` (the default, per its ``/ui-settings``)."""
+    import json
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{ui_url}/ui-settings", timeout=5) as r:
+            settings = json.loads(r.read())
+        base = settings.get(f"{settings.get('default_ui', 'v1')}_base_url") or "/"
+    except Exception:
+        base = "/"
+    return f"{ui_url}{base.rstrip('/')}{path}"
+
+
+def _local_timezone() -> str:
+    try:
+        import tzlocal
+
+        name = tzlocal.get_localzone_name()
+        if name:
+            return name
+    except Exception:
+        pass
+    return "UTC"
+
+
+def cron_schedule(cron: str, timezone: Optional[str]):
+    """Prefect's own cron schedule (what its scheduler expands), or a one-line error."""
+    from pydantic import ValidationError
+
+    from prefect.server.schemas.schedules import CronSchedule
+
+    try:
+        return CronSchedule(cron=cron, timezone=timezone)
+    except ValidationError as err:
+        msg = err.errors()[0].get("msg", str(err)).removeprefix("Value error, ")
+        raise _user_error(f"--cron {cron!r} / --timezone {timezone!r}: {msg}; "
+                          f"e.g. --cron '0 3 * * *' (03:00 every day)") from None
+
+
+def next_run(sched) -> Optional[dt.datetime]:
+    import asyncio
+
+    dates = asyncio.run(sched.get_dates(n=1))
+    return dates[0] if dates else None
+
+
+def _deployments(client) -> list:
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+    from prefect.client.schemas.sorting import DeploymentSort
+
+    # limit and sort explicitly: the sync client sends null for both, which the API rejects
+    return client.read_deployments(flow_filter=FlowFilter(name=FlowFilterName(any_=[FLOW_NAME])), limit=200,
+                                   sort=DeploymentSort.NAME_ASC)
+
+
+def _next_flow_run(client, deployment_id):
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId, FlowRunFilter, FlowRunFilterState, \
+        FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    scheduled = FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
+                                 flow_run_filter=FlowRunFilter(state=scheduled),
+                                 sort=FlowRunSort.EXPECTED_START_TIME_ASC, limit=1)
+    return runs[0] if runs else None
+
+
+def _fmt_time(t) -> str:
+    return t.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z") if t else "-"
+
+
+def cmd_list(api_url: str) -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        deps = sorted(_deployments(client), key=lambda d: d.name)
+        if not deps:
+            print(f"no flockfl schedules on {api_url}")
+            return 0
+        rows = []
+        for d in deps:
+            crons = [f"{s.schedule.cron} ({s.schedule.timezone or 'UTC'})" for s in d.schedules if hasattr(s.schedule, "cron")]
+            nxt = _next_flow_run(client, d.id)
+            served = str(getattr(d.status, "value", d.status) or "").lower() == "ready"
+            rows.append((d.name, (d.parameters or {}).get("experiment", "?"), ", ".join(crons) or "-",
+                         "next " + (_fmt_time(nxt.expected_start_time) if nxt else "-"),
+                         ("paused" if d.paused else "active") + ("" if served else ", not served")))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        for r in rows:
+            print("  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
+    return 0
+
+
+def cmd_delete(name: str, api_url: str) -> int:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        deps = _deployments(client)
+        match = [d for d in deps if d.name == name]
+        if not match:
+            known = ", ".join(sorted(d.name for d in deps)) or "none"
+            raise _user_error(f"no flockfl schedule named {name!r} on {api_url} (known: {known}); see flock schedule --list")
+        for d in match:
+            client.delete_deployment(d.id)
+    print(f"deleted schedule {name} (its future runs too; past runs stay in the UI)")
+    return 0
+
+
+def _log_to_ui() -> None:
+    """Scheduled runs log to the Prefect UI: turn on what flockfl's quiet defaults switch off,
+    unless the user exported other values."""
+    from flows.env import DEFAULTS
+
+    for key, value in (("PREFECT_LOGGING_LEVEL", "INFO"), ("PREFECT_LOGGING_TO_API_ENABLED", "true")):
+        if os.environ.get(key) == DEFAULTS.get(key):
+            os.environ[key] = value
+
+
+def cmd_schedule(args) -> int:
+    _log_to_ui()  # before Prefect is imported (tasks.tracking imports it)
+    if args.list and args.delete:
+        raise _user_error("--list and --delete go alone; use one of them")
+    if args.list or args.delete:
+        if args.experiment:
+            raise _user_error(f"--{'list' if args.list else 'delete'} takes no EXPERIMENT (got {args.experiment!r})")
+        api = _api_url()
+        return cmd_list(api) if args.list else cmd_delete(args.delete, api)
+    if not args.experiment or not args.cron:
+        raise _user_error("flock schedule needs EXPERIMENT and --cron, e.g. flock schedule demo --cron '0 3 * * *' "
+                          "(or --list / --delete NAME)")
+
+    from flockfl.config import load_experiment
+    from tasks.tracking import resolve_tracking_uri
+
+    # everything the run needs, resolved here: it runs later, in another process
+    cfg = load_experiment(args.experiment, args.overrides, args.params)
+    tz = args.timezone or _local_timezone()
+    sched = cron_schedule(args.cron, tz)
+    api = _api_url()
+    experiment = str(Path(args.experiment).resolve()) if Path(args.experiment).is_file() else args.experiment
+    parameters = {
+        "experiment": experiment,
+        "overrides": list(args.overrides),
+        "params": str(Path(args.params).resolve()),
+        "tracking_uri": resolve_tracking_uri(args.tracking_uri, cfg.tracking.uri),
+        "partitions_root": str(Path(args.partitions).resolve()),
+        "runs_root": str(Path(args.runs_root).resolve()),
+        "config_digest": cfg.digest(),
+    }
+    name = args.name or f"{cfg.name}-{cfg.digest()[:8]}"
+    return serve(name, sched, parameters, api, cfg)
+
+
+def serve(name: str, sched, parameters: dict, api: str, cfg) -> int:
+    """Register the deployment and run its scheduled runs until Ctrl-C (which pauses it)."""
+    import asyncio
+
+    from prefect.runner import Runner
+    from prefect.schedules import Cron
+    from prefect.types.entrypoint import EntrypointType
+
+    from flows import schedule as this
+
+    runner = Runner(name=name, pause_on_shutdown=True)
+
+    def _on_sigterm(signum, frame):  # Prefect's own handler calls an async stop() without awaiting it
+        raise KeyboardInterrupt
+
+    runner.handle_sigterm = _on_sigterm  # start() installs self.handle_sigterm
+    deployment_id = runner.add_flow(
+        this.scheduled_experiment, name=name, schedules=[Cron(sched.cron, timezone=sched.timezone)],
+        parameters=parameters, tags=[TAG, f"experiment:{cfg.name}"],
+        description=f"flockfl experiment {cfg.name} (config sha256 {cfg.digest()[:12]}), "
+                    f"runs in {schedule_root(parameters['runs_root'], cfg)}",
+        entrypoint_type=EntrypointType.MODULE_PATH)
+    ui = _ui_url(api)
+    print(f"Serving schedule {name} (flow {FLOW_NAME}, experiment {cfg.name}); Ctrl-C stops and pauses it.\n"
+          f"  cron:     {sched.cron} ({sched.timezone})\n"
+          f"  next run: {_fmt_time(next_run(sched))}\n"
+          f"  runs in:  {schedule_root(parameters['runs_root'], cfg)}/<time>/ (an unfinished one is resumed)\n"
+          f"  MLflow:   {parameters['tracking_uri']}\n"
+          f"  UI:       {ui_link(ui, f'/deployments/deployment/{deployment_id}')}", flush=True)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    print(f"flock: stopped serving {name}; its schedule is paused (run the same flock schedule command to go on)",
+          file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------- argparse
+
+
+def add_parser(sub) -> None:
+    srv = sub.add_parser("server", help="start a Prefect server with its UI on 127.0.0.1 "
+                                        "(for flock schedule, and to browse runs in the Prefect UI)")
+    srv.add_argument("--port", type=int, default=4200)
+    srv.set_defaults(handler=cmd_server)
+
+    sch = sub.add_parser("schedule", help="run an experiment on a cron schedule (served here, shown in the Prefect UI); "
+                                          "--list / --delete NAME manage schedules",
+                         description="Registers a deployment of the experiment on the Prefect server at PREFECT_API_URL "
+                                     "and runs its scheduled runs here until Ctrl-C. A run resumes the last unfinished "
+                                     "run of the same config, or starts a new one.")
+    sch.add_argument("experiment", nargs="?", metavar="CONFIG_OR_NAME")
+    sch.add_argument("--cron", help="a cron string, e.g. '0 3 * * *' (03:00 every day)")
+    sch.add_argument("--timezone", help="IANA time zone of the cron (default: this machine's)")
+    sch.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    sch.add_argument("--params", default="params.yaml")
+    sch.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
+    sch.add_argument("--partitions", default="data/partitions", help="partitions folder")
+    sch.add_argument("--runs-root", default="runs/scheduled", help="where the scheduled runs live")
+    sch.add_argument("--name", help="deployment name (default <experiment>-<config digest[:8]>)")
+    sch.add_argument("--list", action="store_true", help="list the flockfl schedules on the server")
+    sch.add_argument("--delete", metavar="NAME", help="delete a schedule (and its future runs)")
+    sch.set_defaults(handler=cmd_schedule)
