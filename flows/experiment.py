@@ -352,7 +352,7 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
         name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
         example = prep.ctx.data.train.x[:2].cpu().numpy()
         t = time.perf_counter()
-        out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example)
+        out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example, cfg.tracking.model_format)
         phases["models"] = time.perf_counter() - t
         tracker.set_tags({"flockfl.engine": state.meta.get("engine", ""),
                           "flockfl.engine_reason": state.meta.get("engine_reason", ""),

@@ -30,12 +30,8 @@ STAMP = "%Y%m%dT%H%M%S"
 
 
 def _user_error(msg: str) -> Exception:
-    """``flows.cli.UserError`` of the CLI that is running (one line, exit 2). Under
-    ``python -m flows.cli`` that module is ``__main__``, and ``import flows.cli`` would make a
-    second copy whose UserError the running CLI does not catch."""
-    main = sys.modules.get("__main__")
-    if getattr(getattr(main, "__spec__", None), "name", None) == "flows.cli":
-        return main.UserError(msg)
+    """``flows.cli.UserError``: one line, exit 2 (``python -m flows.cli`` registers itself as
+    ``flows.cli``, so this is the class the running CLI catches)."""
     from flows.cli import UserError
 
     return UserError(msg)

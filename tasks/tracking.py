@@ -41,6 +41,20 @@ def _numeric(row: dict[str, Any]) -> dict[str, float]:
 _EXPORT_LOCK = threading.Lock()
 
 
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """Silence one logger's warnings for a block."""
+    import logging
+
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 class Tracker:
     """Creates or re-opens the MLflow run of an experiment and logs to it."""
 
@@ -108,12 +122,17 @@ class Tracker:
     def log_artifact(self, path: Path, subdir: Optional[str] = None) -> None:
         self.client.log_artifact(self.run_id, str(path), subdir)
 
-    def log_models(self, model, stacked: dict, registered_name: Optional[str], input_example) -> list[str]:
-        """Log one model per cluster with mlflow.pytorch and register each as a version."""
-        with _EXPORT_LOCK:  # torch.export traces through process-global state: one model at a time
-            return self._log_models(model, stacked, registered_name, input_example)
+    def log_models(self, model, stacked: dict, registered_name: Optional[str], input_example,
+                   fmt: str = "pt2") -> list[str]:
+        """Log one model per cluster with mlflow.pytorch and register each as a version.
 
-    def _log_models(self, model, stacked: dict, registered_name: Optional[str], input_example) -> list[str]:
+        ``fmt`` is ``tracking.model_format``: ``pt2`` (torch.export; loads back as a GraphModule
+        anywhere, costs ~3 s of imports once per process and ~0.15 s per model) or ``pickle``
+        (loads back as the flockfl model class where flockfl is installed, ~0.05 s per model)."""
+        with _EXPORT_LOCK:  # torch.export traces through process-global state: one model at a time
+            return self._log_models(model, stacked, registered_name, input_example, fmt)
+
+    def _log_models(self, model, stacked: dict, registered_name: Optional[str], input_example, fmt: str) -> list[str]:
         import copy
 
         import mlflow
@@ -124,15 +143,18 @@ class Tracker:
         k = next(iter(stacked.values())).shape[0]
         reqs = [f"torch=={torch.__version__.split('+')[0]}"]
         # the registry prints "Created version ..." to stderr for every version: keep it quiet
-        with mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()):
+        # (and the pickle format's warning about unpickling untrusted files: these are the run's own)
+        with mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()), _quiet("mlflow.pytorch"):
             for j in range(k):
                 net = copy.deepcopy(model).cpu()
                 net.load_state_dict({n: v[j].cpu() for n, v in stacked.items()}, strict=False)
-                # the k models share one architecture: MLflow's check that a logged model loads and
-                # serves its input example (~0.1 s, it loads the model back) runs on the first only
+                # the k models share one architecture: MLflow's check that a logged pt2 model loads
+                # and serves its input example (~0.1 s, it loads the model back) runs on the first
+                # only (pickle forwards unknown keywords to torch.save: its check always runs)
+                extra = {"validate_serving_input": j == 0} if fmt == "pt2" else {}
                 info = mlflow.pytorch.log_model(
                     net, name=f"cluster_{j}", input_example=input_example, pip_requirements=reqs,
-                    registered_model_name=registered_name, validate_serving_input=j == 0,
+                    registered_model_name=registered_name, serialization_format=fmt, **extra,
                 )
                 if registered_name and getattr(info, "registered_model_version", None):
                     self.client.set_model_version_tag(registered_name, str(info.registered_model_version), "cluster", str(j))
