@@ -1,6 +1,7 @@
 """The README demo: FedAvg and IFCA on rotated digits, one results table.
 
-Both experiments run in one process, so Prefect's ephemeral API starts once.
+Both experiments run in one process, so Prefect's per-process API starts once (first thing,
+while torch and MLflow import; see flows/apiserver.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from flows.env import configure_environment
 
 def main() -> int:
     configure_environment()
+    from flows import apiserver
+
+    apiserver.start()
     from flockfl.config import load_experiment
     from flows.experiment import run_experiment
     from tasks.tracking import resolve_tracking_uri

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,20 +56,26 @@ def flock_env(extra: dict | None = None) -> dict:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
     env.pop("FLOCKFL_CRASH_AT", None)
+    # an in-process `flock run` of an earlier test pointed this process's PREFECT_API_URL at
+    # its own per-process API; a flock subprocess starts its own unless a test passes one
+    env.pop("PREFECT_API_URL", None)
     env.update(extra or {})
     return env
 
 
 def run_flock(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real `flock` command in a subprocess, in its own session.
+    """Run the real `flock` command in a subprocess, in its own session (see run_in_session)."""
+    return run_in_session([sys.executable, "-m", "flows.cli", *args], cwd, flock_env(env), timeout)
 
-    Output goes to files, not pipes: a SIGKILL'd flock leaves Prefect's ephemeral API server
-    running (re-parented to init) and holding inherited pipes open, so reading a pipe to
-    EOF would hang. Afterwards the whole process group is killed, which reaps that orphan.
-    """
+
+def run_in_session(cmd: list[str], cwd: Path | None = None, env: dict | None = None,
+                   timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own session; output goes to files, not pipes, and afterwards the
+    whole process group is killed. A child that outlives the command (a browser's helper, or
+    a server a killed process left behind) would otherwise hold inherited pipes open, and
+    reading them to EOF would hang."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(env),
-                                stdout=out, stderr=err, text=True, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=out, stderr=err, text=True, start_new_session=True)
         try:
             proc.wait(timeout=timeout)
         finally:
@@ -80,6 +87,32 @@ def run_flock(args: list[str], cwd: Path, env: dict | None = None, timeout: int 
         out.seek(0)
         err.seek(0)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+
+
+needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None,
+                                    reason="chromium is not installed (Debian: apt-get install -y chromium)")
+
+
+def browse(url: str, png: Path, timeout: int = 120) -> str:
+    """Headless Chromium, as a person would see ``url``: a 1400×1000 screenshot into ``png``
+    and the DOM after the page's scripts ran (one load gives both)."""
+    res = run_in_session(["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+                          f"--user-data-dir={png.parent / 'chromium-profile'}", "--window-size=1400,1000",
+                          "--virtual-time-budget=20000", f"--screenshot={png}", "--dump-dom", url], timeout=timeout)
+    assert png.is_file(), res.stderr[-2000:]
+    return res.stdout
+
+
+def assert_not_blank(png: Path, min_colours: int = 100) -> tuple[float, int]:
+    """The screenshot is a real page: full size, real contrast, many colours (not one blank
+    or single-colour page). Returns (pixel std, distinct colours)."""
+    from matplotlib.image import imread
+
+    img = imread(png)[..., :3]
+    colours = len(np.unique((img.reshape(-1, 3) * 255).round().astype(np.uint8), axis=0))
+    print(f"{png}: {img.shape[1]}x{img.shape[0]} std={img.std():.3f} colours={colours}")
+    assert img.shape[:2] == (1000, 1400) and img.std() > 0.05 and colours > min_colours, (png, img.std(), colours)
+    return float(img.std()), colours
 
 
 def last_json(stdout: str) -> dict:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import flock_env, run_flock, tiny_config
+from conftest import assert_not_blank, browse, flock_env, needs_chromium, run_flock, tiny_config
 
 EXPERIMENT = "report-test"
 
@@ -261,46 +260,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _chromium(args: list[str], tmp: Path, timeout: int = 90) -> subprocess.CompletedProcess:
-    """Headless chromium in its own session (output to files), its process group killed after."""
-    with open(tmp / "chromium.out", "w+") as out, open(tmp / "chromium.err", "w+") as err:
-        proc = subprocess.Popen(["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
-                                 "--no-first-run", f"--user-data-dir={tmp / 'chromium-profile'}",
-                                 "--window-size=1400,1000", "--virtual-time-budget=20000", *args],
-                                stdout=out, stderr=err, text=True, start_new_session=True)
-        try:
-            proc.wait(timeout=timeout)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
-
-
 def _look(url: str, name: str, tmp: Path) -> tuple[Path, str]:
     """Screenshot and rendered DOM of ``url``; asserts the screenshot is a real page."""
-    from matplotlib.image import imread
-
     shot = tmp / f"{name}.png"
-    res = _chromium([f"--screenshot={shot}", "--dump-dom", url], tmp)  # one load: both come from it
-    assert shot.is_file(), res.stderr[-2000:]
-    dom = res.stdout
-    img = imread(shot)[..., :3]
-    colours = len(np.unique((img.reshape(-1, 3) * 255).round().astype(np.uint8), axis=0))
-    print(f"{name}: {shot} {img.shape[1]}x{img.shape[0]} std={img.std():.3f} colours={colours} dom={len(dom)} chars")
-    assert img.shape[:2] == (1000, 1400)
-    assert img.std() > 0.05 and colours > 200, (shot, img.std(), colours)  # not a blank or one-colour page
+    dom = browse(url, shot)
+    assert_not_blank(shot, min_colours=200)
     return shot, dom
 
 
 @pytest.mark.slow
+@needs_chromium
 def test_mlflow_ui_shows_the_run_and_its_report(study, parent_report, tmp_path):
-    if shutil.which("chromium") is None:
-        pytest.skip("chromium not installed: apt-get install -y chromium")
     res, _ = parent_report
     assert res.returncode == 0, res.stderr
     port = _free_port()

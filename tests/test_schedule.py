@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, flock_env, run_flock
+from conftest import ROOT, assert_not_blank, browse, flock_env, needs_chromium, run_flock
 
 ROUNDS = 3
 TINY = {
@@ -297,27 +297,8 @@ def test_flock_schedule_runs_the_experiment_on_the_server(live):
     assert sorted(m.step for m in client.get_metric_history(mrun.info.run_id, "accuracy")) == list(range(1, ROUNDS + 1))
 
 
-def _chromium(url: str, png: Path) -> str:
-    """A headless Chromium screenshot of ``url`` and its DOM after the scripts ran."""
-    cmd = ["chromium", "--headless=new", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1000",
-           "--virtual-time-budget=20000", f"--user-data-dir={png.parent / 'chromium-profile'}",
-           f"--screenshot={png}", "--dump-dom", url]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True)
-    assert png.exists(), res.stderr[-2000:]
-    return res.stdout
-
-
-def _assert_not_blank(png: Path) -> None:
-    import numpy as np
-    from matplotlib import image
-
-    img = image.imread(png)[..., :3]
-    colours = len(np.unique((img.reshape(-1, 3) * 255).astype(np.uint8), axis=0))
-    assert img.shape[:2] == (1000, 1400) and img.std() > 0.05 and colours > 100, (img.std(), colours)
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium on PATH (Debian: apt-get install chromium)")
+@needs_chromium
 def test_prefect_ui_shows_the_scheduled_run_and_its_task_runs(live, tmp_path):
     run = live.completed_run()
     dep = live.deployment()
@@ -327,17 +308,17 @@ def test_prefect_ui_shows_the_scheduled_run_and_its_task_runs(live, tmp_path):
 
     # the scheduled run's page: its name, its deployment, the experiment subflow, the log line
     png = tmp_path / "scheduled-run.png"
-    dom = _chromium(f"{base}/runs/flow-run/{run['id']}?tab=Logs", png)
+    dom = browse(f"{base}/runs/flow-run/{run['id']}?tab=Logs", png)
     print(f"screenshot: {png}")
-    _assert_not_blank(png)
+    assert_not_blank(png)
     assert run["name"] in dom and dep["name"] in dom and "flockfl-scheduled" in dom
     assert "started a new run of sched" in dom and "Completed" in dom
 
     # the experiment subflow's page with its task runs listed
     png2 = tmp_path / "experiment-task-runs.png"
-    dom2 = _chromium(f"{base}/runs/flow-run/{sub['id']}?tab=TaskRuns", png2)
+    dom2 = browse(f"{base}/runs/flow-run/{sub['id']}?tab=TaskRuns", png2)
     print(f"screenshot: {png2}")
-    _assert_not_blank(png2)
+    assert_not_blank(png2)
     assert "flockfl-experiment" in dom2 and run["name"] in dom2  # the parent run is linked
     # the list is paged, newest first: it counts them all and names the last round's
     tasks = sorted(live.task_runs(sub["id"]), key=lambda t: t["start_time"] or "")
