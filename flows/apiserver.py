@@ -14,8 +14,8 @@ flow then finds it through ``PREFECT_API_URL``. The child is tied to this proces
   exits by itself if the parent was already gone when it started;
 - a normal exit stops it (``atexit``).
 
-A ``PREFECT_API_URL`` the user exported (``flock server``, Prefect Cloud) is used as is and
-nothing is started.
+A ``PREFECT_API_URL`` the user configured (exported, or in the active Prefect profile: ``flock
+server``, a Prefect server of their own, Prefect Cloud) is used as is and nothing is started.
 """
 
 from __future__ import annotations
@@ -131,6 +131,33 @@ class ApiServer:
             self.log_path.unlink(missing_ok=True)  # nothing to read after a clean stop
 
 
+def configured_api_url() -> Optional[str]:
+    """The Prefect API the user configured: ``PREFECT_API_URL``, else the active profile's
+    (``prefect config set PREFECT_API_URL=…``), else a ``prefect.toml``/``.env`` in the working
+    directory. Read without importing Prefect where possible (that import costs ~2 s)."""
+    if os.environ.get("PREFECT_API_URL"):
+        return os.environ["PREFECT_API_URL"]
+    home = Path(os.environ.get("PREFECT_HOME") or Path.home() / ".prefect").expanduser()
+    profiles = Path(os.environ.get("PREFECT_PROFILES_PATH") or home / "profiles.toml").expanduser()
+    local = [f for f in (Path("prefect.toml"), Path(".env")) if f.is_file() and "api" in f.read_text(errors="ignore").lower()]
+    if not profiles.is_file() and not local:
+        return None
+    try:
+        if local:
+            raise ImportError  # Prefect's own settings resolve those files
+        import tomllib
+
+        data = tomllib.loads(profiles.read_text())
+        active = os.environ.get("PREFECT_PROFILE") or data.get("active") or "ephemeral"
+        return (data.get("profiles", {}).get(active) or {}).get("PREFECT_API_URL") or None
+    except ImportError:  # Python 3.10 (no tomllib), or settings files only Prefect reads
+        from prefect.settings import get_current_settings
+
+        return get_current_settings().api.url or None
+    except (OSError, ValueError):
+        return None
+
+
 def start(home: Optional[str] = None) -> Optional[ApiServer]:
     """Spawn the process's API server and point ``PREFECT_API_URL`` at it (once per process).
 
@@ -138,7 +165,7 @@ def start(home: Optional[str] = None) -> Optional[ApiServer]:
     global _server
     if _server is not None:
         return _server
-    if os.environ.get("PREFECT_API_URL"):
+    if configured_api_url():
         return None
     home_dir = Path(home or os.environ.get("PREFECT_HOME") or Path.cwd() / ".prefect")
     _server = ApiServer(home_dir / "logs")

@@ -232,8 +232,9 @@ def test_flock_run_reports_its_fixed_cost_and_pickled_models_load(project):
         assert torch.equal(p, state.models[name][1])
 
 
-def test_an_exported_prefect_api_url_is_used(project):
-    """With PREFECT_API_URL set (flock server, Prefect Cloud) flock starts no server of its own."""
+def test_an_exported_prefect_api_url_is_used(project, tmp_path):
+    """With PREFECT_API_URL set or in the active profile (flock server, Prefect Cloud) flock
+    starts no server of its own."""
     from flows import apiserver
 
     env = {**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"}
@@ -242,3 +243,12 @@ def test_an_exported_prefect_api_url_is_used(project):
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "http://127.0.0.1:9/api"]
     assert apiserver.ApiServerError  # the one-line error type the CLI catches
+
+    # the same when the active Prefect profile names the API (prefect config set PREFECT_API_URL=…)
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "profiles.toml").write_text('active = "mine"\n[profiles.mine]\nPREFECT_API_URL = "http://127.0.0.1:8/api"\n')
+    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, "PREFECT_HOME": str(home)}
+    code = "from flows import apiserver; print(apiserver.start() is None, apiserver.configured_api_url())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "http://127.0.0.1:8/api"]
