@@ -55,6 +55,17 @@ def _tie_to_parent(parent: int):
     return tie
 
 
+def healthy(api_url: str, timeout: float = 2.0) -> bool:
+    """Whether the Prefect API at ``api_url`` (``…/api``) answers its health check."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as r:
+            return r.status == 200
+    except Exception:  # refused, reset, timed out, HTTP error: not (yet) healthy
+        return False
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -95,9 +106,6 @@ class ApiServer:
         """Block until the API answers its health check (it started while we were importing)."""
         if self.ready:
             return
-        import urllib.error
-        import urllib.request
-
         deadline = time.monotonic() + timeout
         retries = 3
         while time.monotonic() < deadline:
@@ -109,13 +117,9 @@ class ApiServer:
                     continue
                 raise ApiServerError(f"Prefect's API server exited with code {code} while starting; "
                                      f"its log is {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.ready = True
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
+            if healthy(self.api_url):
+                self.ready = True
+                return
             time.sleep(0.05)
         raise ApiServerError(f"Prefect's API server did not answer within {timeout:.0f} s; its log is {self.log_path}")
 

@@ -357,15 +357,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def _process_start() -> float:
     """When this process started (the interpreter's start-up included), as a Unix time."""
-    try:
-        import psutil
+    import psutil
 
-        return psutil.Process().create_time()
-    except Exception:
-        return _IMPORTED
-
-
-_IMPORTED = time.time()
+    return psutil.Process().create_time()
 
 
 def entry() -> None:

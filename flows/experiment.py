@@ -68,6 +68,16 @@ class Progress:
             self.bar.stop()
 
 
+@contextmanager
+def _timed(phases: dict, name: str):
+    """Adds the block's wall time to ``phases[name]`` (``flock run --json``'s ``phases_s``)."""
+    t = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - t
+
+
 def _heartbeats_without_join() -> None:
     """Flow runs end without waiting for Prefect's heartbeat thread.
 
@@ -302,8 +312,9 @@ def shared_prefect_api(address: str):
     Without ``PREFECT_API_URL`` Prefect runs an ephemeral API server per process, and the
     settings the flow sends with each task would make every worker process start one of its
     own (and leave it behind when the worker is killed). For a scheduler on a loopback address
-    the workers can reach the flow's ephemeral server, so its URL is made explicit for the
-    flow, and travels with the tasks. A configured ``PREFECT_API_URL`` is left alone."""
+    the workers can reach the flow's per-process API (:mod:`flows.apiserver`, started here if
+    ``flock`` did not start it already), so its URL is made explicit for the flow, and travels
+    with the tasks. A configured ``PREFECT_API_URL`` is left alone."""
     import ipaddress
 
     from prefect.settings import PREFECT_API_URL, temporary_settings
@@ -318,10 +329,13 @@ def shared_prefect_api(address: str):
     if PREFECT_API_URL.value() or not local:
         yield
         return
-    from prefect.server.api.server import SubprocessASGIServer
+    from flows import apiserver
 
-    server = SubprocessASGIServer()  # the process's ephemeral server (a singleton)
-    server.start()
+    server = apiserver.start()  # the process's API server, tied to this process
+    if server is None:  # a profile names an API: Prefect uses it
+        yield
+        return
+    server.wait()
     with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
         yield
 
@@ -346,22 +360,22 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
     from flockfl import plots
 
     phases = {} if phases is None else phases
-    t = time.perf_counter()
     cfg = prep.cfg
     out: dict[str, Any] = {}
     plot_dir = run_dir / "plots"
     plot_dir.mkdir(exist_ok=True)
     files = []
-    if cfg.tracking.plots and state.history:
-        files.append(plots.accuracy_curves(state.history, plot_dir / "accuracy_curves.png"))
-        files.append(plots.assignment_heatmap(state.assignment_history, prep.ctx.data.group, plot_dir / "cluster_assignments.png"))
-        # client × client matrices an algorithm keeps (PACFL's proximity, FLIS's similarity); rows
-        # follow state.algo["matrix_clients"] when the matrix covers only some clients
-        rows = state.algo.get("matrix_clients")
-        groups = prep.ctx.data.group[rows.numpy()] if rows is not None else prep.ctx.data.group
-        for name, m in (state.algo.get("matrices") or {}).items():
-            files.append(plots.matrix_heatmap(m.numpy(), groups, name, plot_dir / f"{name}.png"))
-    phases["plots"] = time.perf_counter() - t
+    with _timed(phases, "plots"):
+        if cfg.tracking.plots and state.history:
+            files.append(plots.accuracy_curves(state.history, plot_dir / "accuracy_curves.png"))
+            files.append(plots.assignment_heatmap(state.assignment_history, prep.ctx.data.group,
+                                                  plot_dir / "cluster_assignments.png"))
+            # client × client matrices an algorithm keeps (PACFL's proximity, FLIS's similarity); rows
+            # follow state.algo["matrix_clients"] when the matrix covers only some clients
+            rows = state.algo.get("matrix_clients")
+            groups = prep.ctx.data.group[rows.numpy()] if rows is not None else prep.ctx.data.group
+            for name, m in (state.algo.get("matrices") or {}).items():
+                files.append(plots.matrix_heatmap(m.numpy(), groups, name, plot_dir / f"{name}.png"))
     # what `flock report` draws the assignment heat-maps from: cluster per client per round
     # (-1 = not assigned) and each client's true group (-1 = unknown)
     hist = np.asarray(state.assignment_history)
@@ -381,9 +395,9 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
                 tracker.log_artifact(ckpts[-1], "checkpoint")
         name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
         example = prep.ctx.data.train.x[:2].cpu().numpy()
-        t = time.perf_counter()
-        out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example, cfg.tracking.model_format)
-        phases["models"] = time.perf_counter() - t
+        with _timed(phases, "models"):
+            out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example,
+                                                       cfg.tracking.model_format)
         tracker.set_tags({"flockfl.engine": state.meta.get("engine", ""),
                           "flockfl.engine_reason": state.meta.get("engine_reason", ""),
                           "flockfl.partition_sha256": prep.partition_hash,
@@ -405,16 +419,14 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     cfg = validate(config)
     run_path = Path(run_dir)
     phases: dict[str, float] = {}
-    prep = tasks.partition(cfg, partitions_root)
-    phases["partition"] = time.perf_counter() - t_start
+    with _timed(phases, "partition"):
+        prep = tasks.partition(cfg, partitions_root)
     remote = _dask_stage(prep, partitions_root) if cfg.executor.kind == "dask" else None
-    t = time.perf_counter()
-    state, warnings = tasks.restore(Q(prep), run_dir)
-    phases["restore"] = time.perf_counter() - t
-    t = time.perf_counter()
+    with _timed(phases, "restore"):
+        state, warnings = tasks.restore(Q(prep), run_dir)
     resumed_from = state.round
-    tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id, run_tags, run_name)
-    phases["tracker"] = time.perf_counter() - t
+    with _timed(phases, "tracker"):
+        tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id, run_tags, run_name)
     logged = tracker.last_logged_round() if tracker else 0
     if tracker and logged == 0 and prep.info.get("heterogeneity"):  # the partition's heterogeneity measures
         tracker.log_values({f"partition_{k}": v for k, v in prep.info["heterogeneity"].items()
@@ -450,17 +462,16 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         clock.update(t0=now, body0=tasks.BODY_SECONDS[0])
 
     try:
-        t = clock["drive0"] = clock["t0"] = time.perf_counter()
-        state = rounds.drive(prep, state, task_stages(remote), on_pre_federation=after_pre_federation, on_round=after_round,
-                             on_cycle=after_cycle)
+        with _timed(phases, "drive"):
+            clock["drive0"] = clock["t0"] = time.perf_counter()
+            state = rounds.drive(prep, state, task_stages(remote), on_pre_federation=after_pre_federation,
+                                 on_round=after_round, on_cycle=after_cycle)
         bar.close()
         info = read_run_file(run_path)
         # a resume of a run that had already finished must not register its models again
-        phases["drive"] = time.perf_counter() - t
-        t = time.perf_counter()
-        extra = ({} if resumed_from >= cfg.train.rounds and info.get("finished")
-                 else _finalise(prep, state, run_path, tracker, phases))
-        phases["finalise"] = time.perf_counter() - t
+        with _timed(phases, "finalise"):
+            extra = ({} if resumed_from >= cfg.train.rounds and info.get("finished")
+                     else _finalise(prep, state, run_path, tracker, phases))
         info["finished"] = True
         write_run_file(run_path, info)
     except BaseException:

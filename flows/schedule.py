@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from flows.apiserver import healthy
+
 FLOW_NAME = "flockfl-scheduled"
 TAG = "flockfl"
 STAMP = "%Y%m%dT%H%M%S"
@@ -189,16 +191,6 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _healthy(api_url: str, timeout: float = 2.0) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{api_url}/health", timeout=timeout) as r:
-            return r.status == 200
-    except Exception:
-        return False
-
-
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     import ctypes
     import signal
@@ -234,7 +226,7 @@ def cmd_server(args) -> int:
     old = signal.signal(signal.SIGTERM, _term)
     try:
         t0 = time.monotonic()
-        while not _healthy(f"{url}/api", timeout=1.0):
+        while not healthy(f"{url}/api", timeout=1.0):
             if proc.poll() is not None:
                 last = next((ln for ln in reversed(early) if ln.strip()), "no output")
                 raise _user_error(f"the Prefect server exited during start-up (code {proc.returncode}): {last.strip()}")
@@ -306,7 +298,7 @@ def _api_url() -> str:
     if not url:
         raise _user_error("flock schedule needs a Prefect server: start one with `flock server` and "
                           "export PREFECT_API_URL=http://127.0.0.1:4200/api")
-    if not _healthy(url, timeout=5):
+    if not healthy(url, timeout=5):
         raise _user_error(f"no Prefect server answers at PREFECT_API_URL={url}; start one with `flock server` "
                           f"(or fix PREFECT_API_URL)")
     return url

@@ -18,6 +18,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -331,9 +332,8 @@ def aggregate(plan: Plan) -> dict[str, dict]:
         row = {}
         for _, key, _ in COLUMNS:
             xs = [v[key] for v in vals if key in v and math.isfinite(v[key])]
-            mean = sum(xs) / len(xs) if xs else float("nan")
-            std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else float("nan")
-            row[key] = {"mean": mean, "std": std, "n": len(xs)}
+            row[key] = {"mean": statistics.fmean(xs) if xs else float("nan"),
+                        "std": statistics.stdev(xs) if len(xs) > 1 else float("nan"), "n": len(xs)}
         out[label] = {"seeds": [c.seed for c in done], "metrics": row,
                       "failed": [c.seed for c in plan.children if c.label == label and c.status == "failed"]}
     return out
@@ -341,10 +341,11 @@ def aggregate(plan: Plan) -> dict[str, dict]:
 
 def sweep_table(plan: Plan) -> str:
     """Markdown: one row per combination, mean ± std over its seeds (columns any run has)."""
+    from flows.report import markdown_table
+
     agg = aggregate(plan)
     cols = [c for c in COLUMNS if any(row["metrics"][c[1]]["n"] for row in agg.values())]
-    heads = ["combination", "seeds"] + [h for h, _, _ in cols]
-    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    rows = []
     for label, row in agg.items():
         cells = [label, f"{len(row['seeds'])}/{len(row['seeds']) + len(row['failed'])}"
                  if row["failed"] else str(len(row["seeds"]))]
@@ -356,8 +357,8 @@ def sweep_table(plan: Plan) -> str:
                 cells.append(format(v["mean"], fmt))
             else:
                 cells.append(f"{format(v['mean'], fmt)} ± {format(v['std'], fmt)}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append(cells)
+    return markdown_table(["combination", "seeds"] + [h for h, _, _ in cols], rows)
 
 
 def sweep_summary(result: SweepResult) -> dict:
@@ -369,20 +370,13 @@ def sweep_summary(result: SweepResult) -> dict:
         "digest": result.plan.digest, "runs": len(children), "finished": len(done), "failed": len(result.failed),
         "continued": result.continued, "wall_s": result.wall_s,
         # what a run costs beyond its rounds inside the sweep (flow start, tracking, partition, models, plots)
-        "fixed_s_per_run_median": _median([s["sweep_wall_s"] - s["rounds_wall_s"] for s in fresh]),
+        "fixed_s_per_run_median": (statistics.median([s["sweep_wall_s"] - s["rounds_wall_s"] for s in fresh])
+                                   if fresh else None),
         "combinations": aggregate(result.plan),
         "children": {c.key: {"label": c.label, "seed": c.seed, "status": c.status, "error": c.error,
                              "run_dir": str(c.run_dir), "run_id": (c.summary or {}).get("run_id"),
                              "state_sha256": (c.summary or {}).get("state_sha256")} for c in children},
     }
-
-
-def _median(xs: list[float]) -> Optional[float]:
-    xs = sorted(xs)
-    if not xs:
-        return None
-    mid = len(xs) // 2
-    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 # ---------------------------------------------------------------------- the command

@@ -129,10 +129,6 @@ class Tracker:
         ``fmt`` is ``tracking.model_format``: ``pt2`` (torch.export; loads back as a GraphModule
         anywhere, costs ~3 s of imports once per process and ~0.15 s per model) or ``pickle``
         (loads back as the flockfl model class where flockfl is installed, ~0.05 s per model)."""
-        with _EXPORT_LOCK:  # torch.export traces through process-global state: one model at a time
-            return self._log_models(model, stacked, registered_name, input_example, fmt)
-
-    def _log_models(self, model, stacked: dict, registered_name: Optional[str], input_example, fmt: str) -> list[str]:
         import copy
 
         import mlflow
@@ -144,7 +140,9 @@ class Tracker:
         reqs = [f"torch=={torch.__version__.split('+')[0]}"]
         # the registry prints "Created version ..." to stderr for every version: keep it quiet
         # (and the pickle format's warning about unpickling untrusted files: these are the run's own)
-        with mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()), _quiet("mlflow.pytorch"):
+        # torch.export traces through process-global state: one model at a time (flock sweep --parallel)
+        with _EXPORT_LOCK, mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()), \
+                _quiet("mlflow.pytorch"):
             for j in range(k):
                 net = copy.deepcopy(model).cpu()
                 net.load_state_dict({n: v[j].cpu() for n, v in stacked.items()}, strict=False)

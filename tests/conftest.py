@@ -89,6 +89,15 @@ def run_in_session(cmd: list[str], cwd: Path | None = None, env: dict | None = N
         return subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 needs_chromium = pytest.mark.skipif(shutil.which("chromium") is None,
                                     reason="chromium is not installed (Debian: apt-get install -y chromium)")
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_not_blank, browse, flock_env, needs_chromium, run_flock, tiny_config
+from conftest import assert_not_blank, browse, flock_env, free_port, needs_chromium, run_flock, tiny_config
 
 EXPERIMENT = "report-test"
 
@@ -254,12 +253,6 @@ def test_parent_without_children_is_one_line(study, capsys):
 # ---------------------------------------------------------------------- the MLflow UI in a browser
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _look(url: str, name: str, tmp: Path) -> tuple[Path, str]:
     """Screenshot and rendered DOM of ``url``; asserts the screenshot is a real page."""
     shot = tmp / f"{name}.png"
@@ -273,7 +266,7 @@ def _look(url: str, name: str, tmp: Path) -> tuple[Path, str]:
 def test_mlflow_ui_shows_the_run_and_its_report(study, parent_report, tmp_path):
     res, _ = parent_report
     assert res.returncode == 0, res.stderr
-    port = _free_port()
+    port = free_port()
     base = f"http://127.0.0.1:{port}"
     # one server worker and no job runner: the UI answers in seconds on a small machine
     env = flock_env({"MLFLOW_WORKERS": "1", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})

@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, assert_not_blank, browse, flock_env, needs_chromium, run_flock
+from conftest import ROOT, assert_not_blank, browse, flock_env, free_port, needs_chromium, run_flock
 
 ROUNDS = 3
 TINY = {
@@ -105,12 +104,6 @@ def test_schedule_errors_are_one_line(tmp_path):
 # ---------------------------------------------------------------------- a live server
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str):
     with urllib.request.urlopen(url, timeout=10) as r:
         return json.loads(r.read() or b"null")
@@ -128,7 +121,7 @@ class Live:
 
     def __init__(self, d: Path):
         self.dir = project(d)
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api = f"{self.url}/api"
         self.uri = f"sqlite:///{d}/mlflow.db"
