@@ -24,19 +24,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, assert_not_blank, browse, flock_env, free_port, needs_chromium, run_flock
+from conftest import ROOT, assert_not_blank, browse, flock_env, free_port, needs_chromium, run_flock, tiny_config
 
 ROUNDS = 3
-TINY = {
-    "name": "sched", "seed": 3,
-    "dataset": {"name": "digits"},
-    "partition": {"scheme": "rotated", "num_clients": 12, "k": 2},
-    "model": {"name": "mlp", "hidden": 16},
-    "algorithm": {"name": "fedavg"},
-    "train": {"rounds": ROUNDS, "clients_per_round": 6, "local_epochs": 1, "batch_size": 16, "lr": 0.1,
-              "engine": "vectorized"},
-    "tracking": {"register_model": False},
-}
+TINY = tiny_config(name="sched", train={"rounds": ROUNDS}, tracking={"enabled": True, "register_model": False})
 STAGES = ("select", "train_shard", "cluster", "aggregate", "evaluate", "checkpoint")
 
 

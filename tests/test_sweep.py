@@ -17,21 +17,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import ROOT, flock_env, last_json, run_flock
+from conftest import ROOT, flock_env, last_json, run_flock, tiny_config
 
 pytestmark = pytest.mark.slow
 
-CONFIG = {
-    "name": "sw", "seed": 0,
-    "dataset": {"name": "digits"},
-    "partition": {"scheme": "rotated", "num_clients": 12, "k": 2},
-    "model": {"name": "mlp", "hidden": 16},
-    "algorithm": {"name": "ifca", "k": 2, "init": "random"},
-    "train": {"rounds": 3, "clients_per_round": 6, "local_epochs": 1, "batch_size": 16, "lr": 0.1, "engine": "vectorized"},
-    # pickle: ~3 s less per flock process than pt2 (torch.export's imports); the parallel sweep
-    # below uses pt2, whose export must be serialised across threads
-    "tracking": {"register_model": False, "model_format": "pickle"},
-}
+# pickle: ~3 s less per flock process than pt2 (torch.export's imports); the parallel sweep
+# below uses pt2, whose export must be serialised across threads
+CONFIG = tiny_config(name="sw", seed=0, algorithm={"name": "ifca", "k": 2, "init": "random"},
+                     tracking={"enabled": True, "register_model": False, "model_format": "pickle"})
 
 
 @pytest.fixture(scope="module")
