@@ -1,0 +1,149 @@
+"""A fixed corpus of short runs and their ``state_sha256``: the bit-for-bit behaviour that a
+restructuring must keep (``tests/test_digests.py`` checks it; ``python tests/digest_corpus.py
+--write`` records it anew, which only a deliberate change of behaviour may do).
+
+Every algorithm (and the variant families that switch code paths), both trainers, each stage
+(curriculum, pruning, shift, newcomers), a resume in the middle of a run, and the Prefect flow
+and the Dask executor through ``flock run``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+DIGESTS = HERE / "digests.json"
+
+LINREG = {"dataset": {"name": "synthetic_linreg", "clusters": 2, "dim": 10, "samples_per_client": 40},
+          "partition": {"scheme": "natural", "num_clients": 16}, "model": {"name": "linear"},
+          "train": {"clients_per_round": 8, "full_batch": True, "lr": 0.05}}
+K2 = {"k": 2}
+
+# name → config overrides of conftest.tiny_config (digits, 12 rotated clients, 3 rounds, MLP)
+ALGORITHMS: dict[str, dict] = {
+    "fedavg": {"algorithm": {"name": "fedavg"}},
+    "fedsgd": {"algorithm": {"name": "fedsgd"}},
+    "fedprox": {"algorithm": {"name": "fedprox"}},
+    "fednova": {"algorithm": {"name": "fednova"}},
+    "scaffold": {"algorithm": {"name": "scaffold"}},
+    "scaffold_I": {"algorithm": {"name": "scaffold", "option": "I"}},
+    "fedadam": {"algorithm": {"name": "fedadam"}},
+    "fedadagrad": {"algorithm": {"name": "fedadagrad"}},
+    "fedyogi": {"algorithm": {"name": "fedyogi"}},
+    "fedavgm": {"algorithm": {"name": "fedavgm"}},
+    "fedsplit": {"algorithm": {"name": "fedsplit"}},
+    "fedsplit_exact": {**LINREG, "algorithm": {"name": "fedsplit", "prox": "exact"}},
+    "fedeff": {"algorithm": {"name": "fedeff"}},
+    "ccfl": {"algorithm": {"name": "ccfl"}, "train": {"local_steps": 4}},
+    "pacfl": {"algorithm": {"name": "pacfl"}},
+    "pacfl_beta": {"algorithm": {"name": "pacfl", "signature": "whole", "measure": "trace", "beta": 40.0}},
+    "flis_dc": {"algorithm": {"name": "flis_dc", "server_data_size": 100}},
+    "flis_hc": {"algorithm": {"name": "flis_hc", "server_data_size": 100}},
+    "fedsc": {"algorithm": {"name": "fedsc"}},
+    "local": {"algorithm": {"name": "local"}},
+    "ifca": {"algorithm": {"name": "ifca", **K2}},
+    "ifca_random_gradient": {"algorithm": {"name": "ifca", **K2, "init": "random", "option": "gradient"}},
+    "ifca_linreg": {**LINREG, "algorithm": {"name": "ifca", **K2, "init": "random"}},
+    "ifca_oneshot": {**LINREG, "algorithm": {"name": "ifca_oneshot", **K2}},
+    "difca": {"algorithm": {"name": "difca", **K2}},
+    "difca_reference_gi": {"algorithm": {"name": "difca", **K2, "dfca_variant": "reference_gi"}},
+    "difca_reference_li": {"algorithm": {"name": "difca", **K2, "dfca_variant": "reference_li"}},
+    "fedcluster": {"algorithm": {"name": "fedcluster"}},
+    "fedac": {"algorithm": {"name": "fedac"}},
+    "flexcfl": {"algorithm": {"name": "flexcfl"}},
+    "fesem": {"algorithm": {"name": "fesem"}},
+}
+
+STAGES: dict[str, dict] = {
+    "curriculum_data": {"curriculum": {"ordering": "curr", "scoring": "s_G"}},
+    "curriculum_clients": {"curriculum": {"ordering": "anti", "scoring": "s_L", "clients": True}},
+    "pruning_unstructured": {"pruning": {"method": "unstructured", "acc_threshold": 0.0}},
+    "pruning_hybrid_ifca": {"model": {"name": "lenet5_bn"}, "algorithm": {"name": "ifca", **K2},
+                            "pruning": {"method": "hybrid", "acc_threshold": 0.0}},
+    "shift_swap_all": {"shift": {"kind": "swap_all", "probability": 0.5}},
+    "shift_incremental_flexcfl": {"algorithm": {"name": "flexcfl"}, "shift": {"kind": "incremental", "every": 1, "release": 0.5}},
+    "newcomers_pacfl": {"partition": {"unseen_fraction": 0.25}, "train": {"clients_per_round": 6},
+                        "algorithm": {"name": "pacfl"}},
+    "newcomers_fedavg_every": {"partition": {"unseen_fraction": 0.25}, "train": {"eval_finetune": "every"}},
+}
+
+# resumed after round 2 of 4 from a checkpoint, in a fresh context
+RESUME = ["fedavg", "scaffold", "ifca", "fedcluster", "fedac", "flexcfl", "curriculum_clients", "pruning_unstructured",
+          "shift_swap_all"]
+
+
+def cases() -> dict[str, dict]:
+    """Every plain case: name → raw config (before validation)."""
+    from conftest import tiny_config
+    from flockfl.config import deep_merge
+
+    out = {}
+    for name, over in {**ALGORITHMS, **STAGES}.items():
+        for engine in ("vectorized", "reference"):
+            out[f"{name}/{engine}"] = tiny_config(**deep_merge(over, {"train": {"engine": engine}}))
+    for name in RESUME:
+        over = {**ALGORITHMS, **STAGES}[name]
+        out[f"{name}/resume"] = tiny_config(**deep_merge(over, {"train": {"rounds": 4, "engine": "vectorized"}}))
+    return out
+
+
+def run_case(name: str, raw: dict, root: Path) -> str:
+    """The final state's digest of one case (a resume case: the resumed run's, after checking
+    that it equals the uninterrupted run's)."""
+    from flockfl.config import validate
+    from flockfl.rounds import PLAIN, drive, prepare, run_rounds
+    from flockfl.state import load_latest, save_checkpoint
+
+    cfg = validate(raw)
+    if not name.endswith("/resume"):
+        return run_rounds(prepare(cfg, root / "partitions")).digest()
+    full = run_rounds(prepare(cfg, root / "partitions"))
+    half = run_rounds(prepare(cfg, root / "partitions"), until=2)
+    save_checkpoint(half, root / name.replace("/", "_"))
+    restored, _ = load_latest(root / name.replace("/", "_"))
+    resumed = drive(prepare(cfg, root / "partitions"), restored, PLAIN)
+    assert resumed.digest() == full.digest(), f"{name}: the resumed run differs from the uninterrupted one"
+    return resumed.digest()
+
+
+# through the real `flock run` process (the Prefect flow; the Dask executor on a LocalCluster)
+FLOCK_RUNS: dict[str, dict] = {
+    "flow/ifca": {"algorithm": {"name": "ifca", **K2}, "train": {"shard_size": 4}},
+    "dask/scaffold": {"algorithm": {"name": "scaffold"}, "train": {"shard_size": 2, "threads": 1},
+                      "executor": {"kind": "dask", "workers": 2}},
+}
+
+
+def run_flock_case(name: str, root: Path) -> str:
+    import yaml
+
+    from conftest import last_json, run_flock, tiny_config
+
+    d = root / name.replace("/", "_")
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "exp.yaml").write_text(yaml.safe_dump(tiny_config(**FLOCK_RUNS[name])))
+    res = run_flock(["run", "exp.yaml", "--json"], d)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return last_json(res.stdout)["state_sha256"]
+
+
+def write_all(root: Path) -> dict[str, str]:
+    out = {name: run_case(name, raw, root) for name, raw in cases().items()}
+    out.update({name: run_flock_case(name, root) for name in FLOCK_RUNS})
+    DIGESTS.write_text(json.dumps(dict(sorted(out.items())), indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    sys.path.insert(0, str(HERE))
+    import conftest  # noqa: F401  (threads, Prefect home)
+
+    if "--write" not in sys.argv:
+        sys.exit("usage: python tests/digest_corpus.py --write   (records tests/digests.json anew)")
+    with tempfile.TemporaryDirectory() as d:
+        for k, v in write_all(Path(d)).items():
+            print(k, v)

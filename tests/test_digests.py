@@ -1,0 +1,29 @@
+"""Behaviour unchanged, bit for bit: every case of the digest corpus (tests/digest_corpus.py)
+ends in the state recorded in tests/digests.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import digest_corpus as corpus
+
+RECORDED = json.loads(corpus.DIGESTS.read_text())
+CASES = corpus.cases()
+
+
+def test_the_corpus_is_recorded_whole():
+    assert set(RECORDED) == set(CASES) | set(corpus.FLOCK_RUNS)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_plain_run_digest(name, tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "digest-corpus"
+    assert corpus.run_case(name, CASES[name], root) == RECORDED[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(corpus.FLOCK_RUNS))
+def test_flock_run_digest(name, tmp_path):
+    assert corpus.run_flock_case(name, tmp_path) == RECORDED[name]
