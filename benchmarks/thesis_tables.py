@@ -173,7 +173,7 @@ def main() -> int:
     from flows import apiserver
 
     apiserver.start()  # Prefect's API starts on the other core while torch, MLflow and the data load
-    from flockfl.config import ConfigError
+    from flockfl.errors import ConfigError
 
     try:
         globals()[args.table](args)

@@ -34,6 +34,8 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
+from flockfl.errors import CheckpointError
+
 ROW_SUFFIX = ".row"
 
 
@@ -93,7 +95,6 @@ class ClientTable:
         return self._read(c, self.digest(c))
 
     def _read(self, c: int, digest: bytes) -> np.ndarray:
-        from flockfl.state import CheckpointError
 
         if self.root is None:
             raise CheckpointError(f"client state row of client {c}: the table has no directory to read it from")

@@ -16,15 +16,12 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
+from flockfl.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix", "synthetic_fedprox")
 SCHEMES = ("iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural", "sc_niid", "sc_dir", "mix")
 MODELS = ("mclr", "mlp", "lenet5", "linear", "lenet5_bn", "cnn_bn")
-
-
-class ConfigError(ValueError):
-    """A one-line, user-facing configuration error (the CLI exits with code 2)."""
 
 
 class _Section(BaseModel):

@@ -37,7 +37,8 @@ from typing import Any, Optional
 
 import torch
 
-from flockfl.config import ConfigError, ExperimentConfig
+from flockfl.config import ExperimentConfig
+from flockfl.errors import ConfigError, ExecutorError
 from flockfl.engine import LocalSpec, TrainResult
 
 KILL_ENV = "FLOCKFL_KILL_WORKER_AT"
@@ -46,11 +47,6 @@ CACHE_SIZE = 2  # run contexts a worker keeps (each holds its dataset)
 # parameters / anchor / correction / momentum, vmap temporaries) and per activation of a sample
 PARAM_COPIES = 6
 ACTIVATION_COPIES = 3
-
-
-class ExecutorError(ConfigError):
-    """An executor problem the user can fix (unreachable scheduler, a partition the workers
-    cannot read); one line, the CLI exits with code 2."""
 
 
 @dataclass

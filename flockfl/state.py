@@ -20,14 +20,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from flockfl.errors import CheckpointError
 from flockfl.clientstate import ClientTable, collect_garbage, flush_all, table_root, tables
 
 MAGIC = b"FLOCKFL-CKPT-1\n"
 CKPT_RE = re.compile(r"^ckpt-(\d{6})\.pt$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be trusted (bad checksum, truncated, wrong format)."""
 
 
 @dataclass

@@ -16,16 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+from flockfl.errors import UserError
 from flows.env import configure_environment
 
 EXIT_USAGE = 2
 
 
-class UserError(Exception):
-    """An error the user can fix; printed as one line, exit code 2."""
-
-
-if __name__ == "__main__":  # `python -m flows.cli`: one module, so `from flows.cli import UserError` is this class
+if __name__ == "__main__":  # `python -m flows.cli`: one module (a plugin's `import flows.cli` gets this one)
     sys.modules.setdefault("flows.cli", sys.modules[__name__])
 
 
@@ -297,8 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         from flows import apiserver
 
         apiserver.start()
-    from flockfl.config import ConfigError
-    from flockfl.state import CheckpointError
+    from flockfl.errors import FlockError
     from flows.apiserver import ApiServerError
 
     t0 = time.perf_counter()
@@ -337,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for k, v in out.items():
                     print(f"{k}: {', '.join(v) if v else '(none)'}")
-    except (ConfigError, CheckpointError, UserError, ApiServerError) as err:
+    except (FlockError, ApiServerError) as err:
         print(f"flock: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

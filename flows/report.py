@@ -81,7 +81,7 @@ def resolve_target(target: str, cli_uri: Optional[str]) -> tuple[str, str]:
     resume``): the store may have moved since the run was made."""
     import json
 
-    from flows.cli import UserError
+    from flockfl.errors import UserError
     from tasks.tracking import resolve_tracking_uri
 
     path = Path(target)
@@ -474,7 +474,7 @@ def cmd_report(args) -> int:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    from flows.cli import UserError
+    from flockfl.errors import UserError
 
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one line per download otherwise
     uri, run_id = resolve_target(args.target, args.tracking_uri)

@@ -34,7 +34,7 @@ STAMP = "%Y%m%dT%H%M%S"
 def _user_error(msg: str) -> Exception:
     """``flows.cli.UserError``: one line, exit 2 (``python -m flows.cli`` registers itself as
     ``flows.cli``, so this is the class the running CLI catches)."""
-    from flows.cli import UserError
+    from flockfl.errors import UserError
 
     return UserError(msg)
 

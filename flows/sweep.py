@@ -67,7 +67,7 @@ def add_parser(sub) -> None:
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     """``["train.lr=0.01,0.05", …]`` → ``[("train.lr", ["0.01", "0.05"]), …]`` (values stay text:
     ``--set`` parsing turns them into numbers, booleans or lists)."""
-    from flockfl.config import ConfigError
+    from flockfl.errors import ConfigError
 
     out: list[tuple[str, list[str]]] = []
     for item in items:
@@ -129,7 +129,7 @@ def plan_sweep(ref: str, grid: list[tuple[str, list[str]]], seeds: Optional[list
             plan.children.append(child)
     keys = [c.cfg.digest() for c in plan.children]
     if len(set(keys)) < len(keys):
-        from flockfl.config import ConfigError
+        from flockfl.errors import ConfigError
 
         raise ConfigError("two runs of the sweep have the same config; a --grid value repeats or overrides a --set")
     plan.digest = hashlib.sha256(json.dumps([[c.key, k] for c, k in zip(plan.children, keys)]).encode()).hexdigest()
@@ -175,7 +175,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     state = _read(sweep_dir)
     continued = bool(state)
     if state and state.get("digest") != plan.digest:
-        from flows.cli import UserError
+        from flockfl.errors import UserError
 
         raise UserError(f"{sweep_dir} holds another sweep (different experiment, grid or seeds); "
                         f"choose another --sweep-dir or remove it")
@@ -300,7 +300,7 @@ def _read(sweep_dir: Path) -> dict:
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError:
-        from flows.cli import UserError
+        from flockfl.errors import UserError
 
         raise UserError(f"{path} is not valid JSON (a torn write?); remove it to restart the sweep's bookkeeping "
                         f"(finished runs keep their run directories)") from None
@@ -383,7 +383,7 @@ def sweep_summary(result: SweepResult) -> dict:
 
 
 def cmd_sweep(args) -> int:
-    from flockfl.config import ConfigError
+    from flockfl.errors import ConfigError
 
     if args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: give a positive number of runs at a time")

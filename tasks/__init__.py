@@ -81,7 +81,7 @@ def train_shard(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: i
 
 def _retry_unless_setup_error(task, task_run, state) -> bool:
     """A worker that cannot read the run's data fails the same way every time: no retry."""
-    from flockfl.executor import ExecutorError
+    from flockfl.errors import ExecutorError
 
     try:
         state.result()

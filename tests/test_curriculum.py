@@ -15,7 +15,7 @@ from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err
 
 from flockfl.config import ConfigError, validate
 from flockfl.engine import train_cohort, train_reference
-from flockfl.curriculum.pacing import Pacing, paced_batches, pacing_size
+from flockfl.engine.pacing import Pacing, paced_batches, pacing_size
 from flockfl.engine.schedule import LocalSpec, client_batches, cohort_schedule
 from flockfl.rng import torch_generator
 from flockfl.rounds import prepare, run_rounds, select_stage

@@ -111,7 +111,7 @@ def test_a_worker_that_cannot_read_the_data_is_not_retried():
     from prefect.states import Failed
 
     import tasks
-    from flockfl.executor import ExecutorError
+    from flockfl.errors import ExecutorError
 
     assert not tasks._retry_unless_setup_error(None, None, Failed(data=ExecutorError("no partition")))
     assert tasks._retry_unless_setup_error(None, None, Failed(data=RuntimeError("diverged")))
@@ -190,7 +190,7 @@ def test_dask_state_equals_local(cluster, runs, name):
 @pytest.mark.slow
 def test_workers_that_cannot_read_the_partition_stop_the_run(cluster, runs, tmp_path):
     """No silent fallback to training in the flow: the worker's one-line error ends the run."""
-    from flockfl.executor import ExecutorError
+    from flockfl.errors import ExecutorError
     from flows.experiment import run_experiment
 
     cfg = config("fedavg", kind="dask", address=cluster.scheduler_address, data_root=str(tmp_path / "empty"))

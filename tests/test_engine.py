@@ -8,7 +8,7 @@ import torch
 
 from flockfl.algorithms import RunContext, build_algorithm
 from flockfl.config import validate
-from flockfl.data.clients import ClientData, Split
+from flockfl.engine.data import ClientData, Split
 from flockfl.engine import LocalSpec, choose_engine, train_cohort, train_reference
 from flockfl.engine.functional import stack
 from flockfl.engine.schedule import client_batches

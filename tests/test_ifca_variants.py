@@ -357,7 +357,7 @@ def test_synthetic_fedprox_is_natural_only():
      "partition.scheme: synthetic_fedprox is generated device by device"),
 ])
 def test_bad_synthetic_fedprox_settings_are_one_line_config_errors(over, needle):
-    from flockfl.config import ConfigError
+    from flockfl.errors import ConfigError
 
     with pytest.raises(ConfigError) as err:
         validate(tiny_config(**over))

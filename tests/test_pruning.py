@@ -403,7 +403,7 @@ def test_masked_training_with_a_first_epoch_snapshot_agrees(tmp_path):
 
 def test_a_snapshot_after_zero_steps_is_the_same_on_both_trainers():
     g = torch.Generator().manual_seed(0)
-    from flockfl.data.clients import Split
+    from flockfl.engine.data import Split
 
     x, y = torch.randn(26, 1, 8, 8, generator=g), torch.randint(0, 10, (26,), generator=g)
     split = Split(x, y, np.array([0, 9, 26]))

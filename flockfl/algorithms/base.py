@@ -25,7 +25,7 @@ from torch import nn
 
 from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig
-from flockfl.data.clients import ClientData
+from flockfl.engine.data import ClientData
 from flockfl.engine.functional import index_params, losses_under_models, num_params, segment_mean, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult

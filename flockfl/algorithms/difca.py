@@ -102,7 +102,7 @@ from flockfl.algorithms.base import (RunContext, client_model_losses, cluster_br
                                      summarise_clients)
 from flockfl.algorithms.hyper import Hyper, choice, integer
 from flockfl.algorithms.ifca import IFCA, assign_by_min_loss, cluster_losses
-from flockfl.config import ConfigError
+from flockfl.errors import ConfigError
 from flockfl.engine.functional import segment_mean, stack, stacked_outputs
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult

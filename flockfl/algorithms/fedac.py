@@ -116,7 +116,7 @@ from flockfl.clientstate import ClientTable
 from flockfl.algorithms.base import (Algorithm, RunContext, client_model_losses, log_round, own_cluster_metrics,
                                      own_model_metrics, summarise_clients)
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
-from flockfl.config import ConfigError
+from flockfl.errors import ConfigError
 from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult

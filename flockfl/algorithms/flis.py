@@ -39,7 +39,7 @@ from flockfl import clustering
 from flockfl.algorithms.base import Algorithm, client_model_losses, train_from
 from flockfl.algorithms.hyper import choice, integer, real
 from flockfl.algorithms.oneshot import OneShotClustering
-from flockfl.config import ConfigError
+from flockfl.errors import ConfigError
 from flockfl.engine.functional import stacked_outputs
 
 HYPER = (

@@ -65,7 +65,7 @@ from flockfl import clustering
 from flockfl.algorithms.base import Algorithm, RunContext, client_model_losses, train_from
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, text, weighting
 from flockfl.algorithms.oneshot import OneShotClustering
-from flockfl.config import ConfigError
+from flockfl.errors import ConfigError
 from flockfl.engine.functional import index_params, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng, torch_generator

@@ -38,7 +38,7 @@ import torch
 from torch.func import functional_call
 
 from flockfl.engine.functional import per_sample_loss
-from flockfl.curriculum.pacing import Pacing, pacing_size
+from flockfl.engine.pacing import Pacing, pacing_size
 from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng
 from flockfl.clientstate import ClientTable
@@ -225,7 +225,7 @@ def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clien
 def load_expert(source: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """θ_E from an MLflow model URI (``models:/``, ``runs:/``), a flockfl checkpoint or a
     ``.pt`` parameter dict; a one-line error when it cannot be read or does not fit."""
-    from flockfl.config import ConfigError
+    from flockfl.errors import ConfigError
 
     want = {n: tuple(p.shape) for n, p in model.named_parameters()}
     if source == "global":

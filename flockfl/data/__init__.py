@@ -1,6 +1,7 @@
 """Datasets, partition schemes and materialised client data."""
 
-from flockfl.data.clients import ClientData, build_client_data
+from flockfl.engine.data import ClientData
+from flockfl.data.clients import build_client_data
 from flockfl.data.datasets import Dataset, load_dataset
 from flockfl.data.partition import SCHEMES, Partition, build_or_load, make_partition, resolved_num_clients
 

@@ -7,13 +7,13 @@ own held-out training samples (``partition.server_holdout``), if any, are ``Clie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from flockfl.data.datasets import Dataset
+from flockfl.engine.data import ClientData, Split
 from flockfl.data.partition import Partition
 
 
@@ -28,46 +28,6 @@ def rotate_images(x: torch.Tensor, angle: float) -> torch.Tensor:
     mat = torch.stack([torch.stack([c, -s, torch.tensor(0.0)]), torch.stack([s, c, torch.tensor(0.0)])])
     grid = torch.nn.functional.affine_grid(mat.expand(len(x), 2, 3), list(x.shape), align_corners=False)
     return torch.nn.functional.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-
-
-@dataclass
-class Split:
-    x: torch.Tensor
-    y: torch.Tensor
-    offsets: np.ndarray  # (clients + 1,)
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def client(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return self.x[a:b], self.y[a:b]
-
-
-@dataclass
-class ClientData:
-    train: Split
-    test: Split
-    group: np.ndarray
-    task: str
-    num_classes: int
-    input_shape: tuple[int, ...]
-    # the server's held-out training samples (one block, offsets [0, h], untransformed), or None
-    server: Optional[Split] = None
-
-    @property
-    def num_clients(self) -> int:
-        return len(self.group)
-
-    @property
-    def num_outputs(self) -> int:
-        return 1 if self.task == "regression" else self.num_classes
-
-    def to(self, device: torch.device) -> "ClientData":
-        mv = lambda s: Split(s.x.to(device), s.y.to(device), s.offsets)  # noqa: E731
-        return ClientData(mv(self.train), mv(self.test), self.group, self.task, self.num_classes, self.input_shape,
-                          None if self.server is None else mv(self.server))
 
 
 def _materialise(x: np.ndarray, y: np.ndarray, idx: list[np.ndarray], p: Partition) -> Split:

@@ -50,7 +50,7 @@ def expert_losses(ds, model_name: str, epochs: int, seed: int) -> np.ndarray:
     model.eval()
     with torch.no_grad():
         if hasattr(model, "channel_groups"):  # BN: statistics of the whole training set
-            from flockfl.data.clients import Split
+            from flockfl.engine.data import Split
             from flockfl.engine.trainers import calibrate_bn
 
             params = {n: p.detach().clone().unsqueeze(0) for n, p in model.named_parameters()}

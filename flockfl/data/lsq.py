@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flockfl.data.clients import ClientData, Split
+from flockfl.engine.data import ClientData, Split
 
 
 def hetero_lsq(m: int = 10, d: int = 20, n: int = 50, seed: int = 0) -> tuple[ClientData, np.ndarray, float]:

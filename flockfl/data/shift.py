@@ -36,7 +36,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flockfl.data.clients import ClientData, Split
+from flockfl.engine.data import ClientData, Split
 from flockfl.rng import np_rng
 
 KEY = "shift"

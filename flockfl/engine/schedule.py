@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from flockfl.curriculum.pacing import Pacing, paced_batches
+from flockfl.engine.pacing import Pacing, paced_batches
 from flockfl.rng import np_rng
 
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
-from flockfl.data.clients import Split
+from flockfl.engine.data import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
