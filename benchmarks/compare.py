@@ -104,7 +104,8 @@ def main() -> int:
     from flows import apiserver
 
     apiserver.start()  # Prefect's API starts on the other core while torch, MLflow and the data load
-    from flockfl.config import ConfigError, load_experiment
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import load_experiment
 
     try:
         base = load_experiment(args.base, args.overrides, args.params)

@@ -63,7 +63,7 @@ def config(args, alg: str, beta: float, order: str, seed: int) -> dict:
 
 
 def run_one(cfg_dict: dict, partitions: Path) -> dict:
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import prepare, run_rounds, summarise
 
     prep = prepare(validate(cfg_dict), partitions)

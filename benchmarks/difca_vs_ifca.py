@@ -112,7 +112,9 @@ def main() -> int:
 
     import torch
 
-    from flockfl.config import ConfigError, deep_merge, parse_set, validate
+    from flockfl.errors import ConfigError
+    from flockfl.config import deep_merge
+    from flockfl.experiments import parse_set, validate
 
     torch.set_num_threads(1)
     extra = parse_set(args.overrides)

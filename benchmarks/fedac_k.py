@@ -43,7 +43,7 @@ WARMUP = 10
 
 
 def config(seed: int, k0: int, rounds: int, a: float, b: float, warmup: int = WARMUP):
-    from flockfl.config import validate
+    from flockfl.experiments import validate
 
     return validate({
         "name": f"fedac-k{k0}-s{seed}", "seed": seed,

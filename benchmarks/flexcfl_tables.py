@@ -84,7 +84,7 @@ def shift_config(kind: str, args) -> dict:
 
 
 def run_one(cfg_dict: dict, partitions: Path) -> dict:
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import prepare, run_rounds
 
     cfg = validate(cfg_dict)

@@ -83,7 +83,7 @@ def sync(device) -> None:
 
 def time_trainer(w: dict, npz: Path, engine: str, args, parts: Path) -> dict:
     """Median seconds of a round's training stage (after one warm-up round)."""
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import prepare, train_stage
 
     cfg = validate(config(w, npz, args.device, args.fast_math, args.repeats + 1, args.shard_size, args.threads))

@@ -36,7 +36,7 @@ INITS = ("random", "balanced_restart", "pretrain_kmeans")
 
 
 def experiment(dataset: str, init: str, seed: int, fmnist_rounds: int, extra: list[str]):
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
 
     common = [f"seed={seed}", f"algorithm.init={init}", "tracking.enabled=false", "train.threads=1",
               "train.eval_finetune='off'"]

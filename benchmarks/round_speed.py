@@ -97,7 +97,7 @@ def child_plain(npz: Path, rounds: int, threads: int) -> dict:
 
 
 def child_flockfl(npz: Path, rounds: int, threads: int) -> dict:
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.engine import TRAINERS
     from flockfl.rounds import prepare, run_round
 

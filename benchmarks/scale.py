@@ -65,7 +65,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def child(algorithm: str, population: int, cohort: int, rounds: int, threads: int, fmnist: bool) -> dict:
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import prepare, run_rounds
     from flockfl.state import save_checkpoint
 

@@ -77,7 +77,7 @@ def config(args, extra: dict) -> dict:
 
 
 def run_one(cfg_dict: dict, partitions: Path) -> dict:
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import prepare, run_rounds
 
     prep = prepare(validate(cfg_dict), partitions)

@@ -141,7 +141,7 @@ def unseen(args) -> None:
 
 def heterogeneity(args) -> None:
     """Table 5.3's measures (mean pairwise EMD and Eq. 3.1/3.2 angles) for three partitions."""
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
     from flows.cli import _build_partition
     from flockfl.data.heterogeneity import heterogeneity as measure
 

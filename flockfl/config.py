@@ -1,10 +1,11 @@
 """Typed experiment configuration, validated once at the boundary.
 
 An experiment is a nested mapping (``seed``, ``dataset``, ``partition``, ``model``,
-``algorithm``, ``train``, ``tracking``). It comes from ``params.yaml`` (a named
-experiment), from a YAML file, and from ``--set key=value`` overrides. Everything is
-validated here, so nothing deeper needs defensive checks. A problem raises
-:class:`ConfigError`, whose message is one line naming the key, the value and the fix.
+``algorithm``, ``train``, ``tracking``, the stages, ``executor``). This module is its typed
+schema and nothing else: loading (``params.yaml``, YAML files, ``--set``) and the checks
+that need the registries (the algorithm's own keys) are in ``flockfl.experiments``. A
+problem raises :class:`ConfigError`, whose message is one line naming the key, the value
+and the fix.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-import yaml
 from flockfl.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -300,27 +300,11 @@ class ExperimentConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "ExperimentConfig":
-        from flockfl.algorithms import ALGORITHMS  # local: algorithms import config
-        from flockfl.algorithms.hyper import declared, resolve
-
-        cls = ALGORITHMS.get(self.algorithm.name)
-        if cls is None:
-            raise ValueError(
-                f"algorithm.name: unknown algorithm {self.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}"
-            )
-        resolved = resolve(cls, self.algorithm.hyper(), ALGORITHMS)
-        extra = self.algorithm.__pydantic_extra__
-        extra.clear()
-        extra.update(resolved)
+        """Rules between sections that need no registry (``flockfl.experiments.validate`` adds
+        those that do: the algorithm's own keys, the dataset's schemes)."""
         part = self.partition
         if part.num_clients is None and part.scheme != "natural":
             part.num_clients = 10
-        if part.server_holdout is None:  # the server's own data, for the algorithms that need it
-            part.server_holdout = int(resolved["server_data_size"]) if "server_data_size" in declared(cls) else 0
-        cls.check_config(self)
-        from flockfl.data.datasets import check_natural_only
-
-        check_natural_only(self.dataset.name, part.scheme)
         n = part.num_clients
         for key in ("client_compute", "client_down", "client_up"):
             given = getattr(self.system, key)
@@ -402,30 +386,6 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
     return out
 
 
-def parse_set(items: list[str]) -> dict[str, Any]:
-    """Turn ``["train.lr=0.1", "algorithm.name=ifca"]`` into a nested dict."""
-    nested: dict[str, Any] = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.lr=0.1")
-        key, raw = item.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError(f"--set {item!r}: empty key; expected key=value, e.g. --set train.lr=0.1")
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
-        except yaml.YAMLError:
-            value = raw
-        node = nested
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {p!r} is a value, not a section")
-        node[parts[-1]] = value
-    return nested
-
-
 def _one_line(err: ValidationError) -> str:
     e = err.errors()[0]
     loc = ".".join(str(p) for p in e["loc"])
@@ -449,114 +409,9 @@ def _allowed_keys(section: str) -> list[str]:
     return sorted(model.model_fields)
 
 
-def validate(raw: dict[str, Any]) -> ExperimentConfig:
+def validate_schema(raw: dict[str, Any]) -> ExperimentConfig:
+    """The schema's checks only; ``flockfl.experiments.validate`` is the whole validation."""
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_one_line(err)) from None
-
-
-# ---------------------------------------------------------------------- params.yaml
-
-
-def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
-    p = Path(path)
-    if not p.exists():
-        return {}
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping with 'partitions' and 'experiments'")
-    return data
-
-
-def resolve_partition_ref(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """Inherit seed/dataset/partition from ``partitions.<partition.name>`` in params.yaml."""
-    ref = (raw.get("partition") or {}).get("name")
-    if not ref:
-        return raw
-    parts = params.get("partitions") or {}
-    if ref not in parts:
-        known = ", ".join(sorted(parts)) or "none"
-        raise ConfigError(f"config error: partition.name {ref!r} is not in params.yaml partitions (known: {known})")
-    base = {k: v for k, v in parts[ref].items() if k in ("seed", "dataset", "partition")}
-    return deep_merge(base, raw)
-
-
-def load_experiment(
-    name_or_path: str, overrides: list[str] | None = None, params_path: str | Path = "params.yaml"
-) -> ExperimentConfig:
-    """Resolve a config from a params.yaml experiment name or a YAML file, plus ``--set`` overrides."""
-    params = load_params(params_path)
-    experiments = params.get("experiments") or {}
-    path = Path(name_or_path)
-    if name_or_path in experiments:
-        raw = copy.deepcopy(experiments[name_or_path]) or {}
-        raw.setdefault("name", name_or_path)
-    elif path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of config sections")
-        raw.setdefault("name", path.stem)
-    else:
-        known = ", ".join(sorted(experiments)) or "none"
-        raise ConfigError(
-            f"unknown experiment {name_or_path!r}: not a config file and not in {params_path} (experiments: {known})"
-        )
-    over = parse_set(overrides or [])
-    notices: list[str] = []
-    raw = deep_merge(switch_algorithm(raw, over, notices.append), over)
-    raw = resolve_partition_ref(raw, params)
-    cfg = validate(raw)
-    for note in notices:  # only for a config that loads: an error stays one line
-        _notice(note)
-    return cfg
-
-
-def switch_algorithm(raw: dict[str, Any], override: dict[str, Any], notify=None) -> dict[str, Any]:
-    """``--set algorithm.name=X`` on a config written for Y swaps the whole algorithm block
-    (Hydra's config groups): Y's keys that X does not take are dropped, with a one-line notice."""
-    from flockfl.algorithms import ALGORITHMS
-    from flockfl.algorithms.hyper import declared
-
-    new = (override.get("algorithm") or {}).get("name")
-    old_block = raw.get("algorithm") or {}
-    if not new or new == old_block.get("name", "fedavg") or new not in ALGORITHMS:
-        return raw
-    takes = declared(ALGORITHMS[new])
-    dropped = sorted(k for k in old_block if k != "name" and k not in takes)
-    if dropped:
-        (notify or _notice)(f"algorithm.name={new}: dropped {', '.join(f'algorithm.{k}' for k in dropped)} "
-                            f"(a key of {old_block.get('name', 'fedavg')} that {new} does not take)")
-    out = dict(raw)
-    out["algorithm"] = {k: v for k, v in old_block.items() if k not in dropped}
-    return out
-
-
-def _notice(message: str) -> None:
-    import sys
-
-    print(f"flock: note: {message}", file=sys.stderr)
-
-
-def load_partition_config(name: str, params_path: str | Path = "params.yaml") -> ExperimentConfig:
-    """A config holding just the partition named ``name`` in params.yaml."""
-    params = load_params(params_path)
-    parts = params.get("partitions") or {}
-    if name not in parts:
-        known = ", ".join(sorted(parts)) or "none"
-        raise ConfigError(f"unknown partition {name!r}: not in {params_path} partitions (known: {known})")
-    raw = {k: v for k, v in parts[name].items() if k in ("seed", "dataset", "partition")}
-    extra = set(parts[name]) - {"seed", "dataset", "partition"}
-    if extra:
-        raise ConfigError(f"partitions.{name}: unknown keys {sorted(extra)}; a partition has seed, dataset and partition")
-    raw = deep_merge(raw, {"partition": {"name": name}, "name": name})
-    raw.setdefault("model", {"name": "linear" if raw.get("dataset", {}).get("name") == "synthetic_linreg" else "mlp"})
-    raw.setdefault("train", {})
-    raw["train"].setdefault("clients_per_round", 1)
-    return validate(raw)

@@ -179,7 +179,7 @@ def _load(job: ShardJob) -> dict:
             _CACHE.move_to_end(key)
             return _CACHE[key]
         from flockfl import rounds
-        from flockfl.config import validate
+        from flockfl.experiments import validate
         from flockfl.data.partition import load_partition, partition_path
 
         cfg = validate(job.config)

@@ -19,7 +19,8 @@ import torch
 from flockfl.algorithms import Algorithm, RunContext, build_algorithm
 from flockfl.algorithms.base import log_round, own_model_metrics, summarise_clients
 from flockfl.clientstate import chunks, joined
-from flockfl.config import ConfigError, ExperimentConfig
+from flockfl.errors import ConfigError
+from flockfl.config import ExperimentConfig
 from flockfl.data import build_client_data, build_or_load, load_dataset, shift
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
 from flockfl.engine.functional import index_params

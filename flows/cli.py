@@ -89,7 +89,7 @@ def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
 
 
 def cmd_run(args) -> dict:
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
     from flockfl.state import list_checkpoints
 
     from flows.experiment import read_run_file
@@ -116,7 +116,7 @@ def run_identity(config: dict | None) -> dict | None:
 
 
 def cmd_resume(args) -> dict:
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flows.experiment import read_run_file
 
     run_dir = Path(args.run)
@@ -187,14 +187,16 @@ def _build_partition(cfg, partitions_root: str):
 
 
 def cmd_partition(args) -> dict:
-    from flockfl.config import ConfigError, load_experiment, load_partition_config, load_params
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import load_experiment, load_partition_config, load_params
     from flockfl.data.partition import summary
 
     params = load_params(args.params)
     if args.name in (params.get("partitions") or {}):
         cfg = load_partition_config(args.name, args.params)
         if args.overrides:
-            from flockfl.config import deep_merge, parse_set, validate
+            from flockfl.config import deep_merge
+            from flockfl.experiments import parse_set, validate
 
             cfg = validate(deep_merge(cfg.model_dump(), parse_set(args.overrides)))
     else:
@@ -228,7 +230,8 @@ def cmd_ui(args) -> None:
 
 def cmd_list(args) -> dict:
     from flockfl.algorithms import ALGORITHMS, describe
-    from flockfl.config import DATASETS, MODELS, SCHEMES, load_params
+    from flockfl.config import DATASETS, MODELS, SCHEMES
+    from flockfl.experiments import load_params
 
     from flockfl.config import STAGES, describe_stage
 

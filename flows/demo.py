@@ -18,7 +18,7 @@ def main() -> int:
     from flows import apiserver
 
     apiserver.start()
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
     from flows.experiment import run_experiment
     from tasks.tracking import resolve_tracking_uri
 

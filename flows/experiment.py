@@ -23,7 +23,8 @@ from prefect.utilities.annotations import quote as Q
 
 import tasks
 from flockfl import executor, rounds
-from flockfl.config import ExperimentConfig, validate
+from flockfl.config import ExperimentConfig
+from flockfl.experiments import validate
 from flockfl.data import shift
 from flockfl.engine import TrainResult
 from flockfl.state import ServerState

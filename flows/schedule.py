@@ -78,7 +78,7 @@ def run_scheduled(experiment: str, overrides: Optional[list[str]] = None, params
     import argparse
     import fcntl
 
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
     from flockfl.state import list_checkpoints
 
     from flows.cli import _execute
@@ -444,7 +444,7 @@ def cmd_schedule(args) -> int:
         raise _user_error("flock schedule needs EXPERIMENT and --cron, e.g. flock schedule demo --cron '0 3 * * *' "
                           "(or --list / --delete NAME)")
 
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
     from tasks.tracking import resolve_tracking_uri
 
     # everything the run needs, resolved here: it runs later, in another process

@@ -114,7 +114,7 @@ def plan_sweep(ref: str, grid: list[tuple[str, list[str]]], seeds: Optional[list
     """Every child config, validated (a bad key or value is a one-line ConfigError before
     anything runs). ``variants`` ([(label, overrides)]) replaces the grid's cartesian product
     with named variants (benchmarks/compare.py: one per algorithm)."""
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
 
     base = load_experiment(ref, overrides, params)
     seeds = list(dict.fromkeys(seeds)) if seeds else [base.seed]

@@ -46,7 +46,7 @@ def tiny_config(**over) -> dict:
 
 @pytest.fixture
 def make_cfg():
-    from flockfl.config import validate
+    from flockfl.experiments import validate
 
     return lambda **over: validate(tiny_config(**over))
 

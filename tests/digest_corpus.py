@@ -92,7 +92,7 @@ def cases() -> dict[str, dict]:
 def run_case(name: str, raw: dict, root: Path) -> str:
     """The final state's digest of one case (a resume case: the resumed run's, after checking
     that it equals the uninterrupted run's)."""
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import PLAIN, drive, prepare, run_rounds
     from flockfl.state import load_latest, save_checkpoint
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flockfl.algorithms.ifca import IFCA, assign_by_min_loss, cluster_losses
-from flockfl.config import validate
+from flockfl.experiments import validate
 from flockfl.engine import LocalSpec, TrainResult, train_reference
 from flockfl.rounds import prepare, run_round, run_rounds
 

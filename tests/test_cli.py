@@ -87,7 +87,7 @@ def test_partition_command_writes_npz_and_summary(in_workdir, capsys):
 def test_switching_algorithm_drops_foreign_keys_with_a_notice(in_workdir, capsys):
     """--set algorithm.name=X on a config written for Y (the IFCA config's own header suggests
     it): Y's keys that X does not take are dropped with a one-line notice, not an error."""
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
 
     cfg = load_experiment("ifca_rotated_digits", ["algorithm.name=fedprox", "algorithm.mu=0.5"])
     err = capsys.readouterr().err
@@ -101,7 +101,8 @@ def test_a_regression_npz_with_the_linear_model_runs_and_natural_clients_come_fr
     and with scheme=natural the number of clients comes from the file."""
     import numpy as np
 
-    from flockfl.config import ConfigError, validate
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import validate
     from flockfl.rounds import prepare, run_rounds
 
     rng = np.random.default_rng(0)

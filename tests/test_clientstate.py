@@ -88,7 +88,7 @@ def test_state_digest_depends_on_every_row():
 
 
 def cfg_of(algo: dict, rounds: int, clients: int = 20, per_round: int = 4):
-    from flockfl.config import validate
+    from flockfl.experiments import validate
 
     return validate(tiny_config(algorithm=algo, partition={"num_clients": clients},
                                 train={"rounds": rounds, "clients_per_round": per_round}))

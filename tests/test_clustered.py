@@ -10,7 +10,7 @@ import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err, tiny_config
 from conftest import label_group_npz as shared_label_group_npz
 
-from flockfl.config import validate
+from flockfl.experiments import validate
 from flockfl.rounds import prepare, run_rounds
 
 NEW = [

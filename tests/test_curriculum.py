@@ -13,7 +13,8 @@ import pytest
 import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err, spy, tiny_config
 
-from flockfl.config import ConfigError, validate
+from flockfl.errors import ConfigError
+from flockfl.experiments import validate
 from flockfl.engine import train_cohort, train_reference
 from flockfl.engine.pacing import Pacing, paced_batches, pacing_size
 from flockfl.engine.schedule import LocalSpec, client_batches, cohort_schedule

@@ -27,7 +27,8 @@ CONFIGS = {
 
 
 def config(name: str, **executor):
-    from flockfl.config import deep_merge, validate
+    from flockfl.config import deep_merge
+    from flockfl.experiments import validate
 
     over = deep_merge({"train": {"shard_size": 2, "threads": 1}}, CONFIGS[name])
     return validate(tiny_config(**over, **({"executor": executor} if executor else {})))
@@ -118,7 +119,8 @@ def test_a_worker_that_cannot_read_the_data_is_not_retried():
 
 
 def test_address_needs_dask_kind():
-    from flockfl.config import ConfigError, validate
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import validate
 
     with pytest.raises(ConfigError, match="executor.address: a Dask scheduler address needs executor.kind=dask"):
         validate(tiny_config(executor={"address": "tcp://127.0.0.1:8786"}))

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.config import ConfigError, DatasetConfig, validate
+from flockfl.errors import ConfigError
+from flockfl.config import DatasetConfig
+from flockfl.experiments import validate
 from flockfl.data import build_client_data, build_or_load, load_dataset, make_partition
 from flockfl.data.clients import rotate_images
 from flockfl.data.datasets import read_idx

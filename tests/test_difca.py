@@ -13,7 +13,8 @@ from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err
 from flockfl.algorithms.difca import (DIFCA, confidence_scores, gossip, pick_tokens, reference_gossip,
                                       reference_threshold)
 from flockfl.algorithms.ifca import IFCA
-from flockfl.config import ConfigError, validate
+from flockfl.errors import ConfigError
+from flockfl.experiments import validate
 from flockfl.engine import TRAINERS
 from flockfl.engine.trainers import TrainResult
 from flockfl.rounds import prepare, run_rounds

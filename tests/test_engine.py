@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flockfl.algorithms import RunContext, build_algorithm
-from flockfl.config import validate
+from flockfl.experiments import validate
 from flockfl.engine.data import ClientData, Split
 from flockfl.engine import LocalSpec, choose_engine, train_cohort, train_reference
 from flockfl.engine.functional import stack

@@ -12,7 +12,8 @@ from sklearn.metrics import adjusted_rand_score
 
 from flockfl.algorithms.fedac import (e_step, gc_ratios, lrcos, m_step, pca_map, project, split_layout, tune_clusters,
                                       two_means_cosine)
-from flockfl.config import ConfigError, validate
+from flockfl.errors import ConfigError
+from flockfl.experiments import validate
 from flockfl.rounds import prepare, run_rounds
 from models import build_model
 

@@ -22,7 +22,8 @@ from flockfl.algorithms.flexcfl import (
     w1_labels,
     w1_sorted_counts,
 )
-from flockfl.config import ConfigError, validate
+from flockfl.errors import ConfigError
+from flockfl.experiments import validate
 from flockfl.engine import TRAINERS
 from flockfl.rounds import prepare, run_rounds
 

@@ -26,7 +26,8 @@ import yaml
 import fakecuda
 from conftest import assert_resume_bit_identical, assert_trainers_agree, last_json, rel_err, run_flock, tiny_config
 from flockfl.algorithms import ALGORITHMS
-from flockfl.config import deep_merge, validate
+from flockfl.config import deep_merge
+from flockfl.experiments import validate
 
 HAS_CUDA = torch.cuda.is_available()
 GPU_MARKS = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]

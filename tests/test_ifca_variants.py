@@ -11,7 +11,9 @@ import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, tiny_config
 
 from flockfl.algorithms.ifca import parameter_names, shared_parameters
-from flockfl.config import ConfigError, DatasetConfig, deep_merge, validate
+from flockfl.errors import ConfigError
+from flockfl.config import DatasetConfig, deep_merge
+from flockfl.experiments import validate
 from flockfl.data import load_dataset
 from flockfl.data.datasets import check_natural_only
 from flockfl.engine import train_reference

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from flockfl.algorithms import RunContext, build_algorithm
-from flockfl.config import validate
+from flockfl.experiments import validate
 from flockfl.data.lsq import hetero_lsq, rel_error
 from flockfl.engine import TrainResult, train_cohort
 from flockfl.rounds import PreparedRun, prepare, run_rounds
@@ -284,7 +284,8 @@ def test_fedsplit_partial_participation_keeps_the_centering_invariant():
 
 
 def test_fedsplit_exact_prox_needs_a_linear_model():
-    from flockfl.config import ConfigError, validate as _validate
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import validate as _validate
 
     with pytest.raises(ConfigError, match="closed-form prox"):
         _validate(tiny_config(algorithm={"name": "fedsplit", "prox": "exact"}))
@@ -430,7 +431,8 @@ def test_ccfl_converges_with_delays_and_random_participation(server_opt):
 
 
 def test_ccfl_needs_local_steps():
-    from flockfl.config import ConfigError, validate as _validate
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import validate as _validate
 
     with pytest.raises(ConfigError, match="local_steps"):
         _validate(tiny_config(algorithm={"name": "ccfl"}))

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from flockfl.config import ConfigError, DatasetConfig, PartitionConfig, validate
+from flockfl.errors import ConfigError
+from flockfl.config import DatasetConfig, PartitionConfig
+from flockfl.experiments import validate
 from flockfl.data import build_client_data, load_dataset, make_partition
 from flockfl.data.datasets import Dataset
 from flockfl.data.heterogeneity import heterogeneity

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, run_flock, spy, tiny_config
 
-from flockfl.config import validate
+from flockfl.experiments import validate
 from flockfl.engine import LocalSpec, TrainResult, train_cohort, train_reference
 from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator

@@ -45,7 +45,7 @@ def test_scheduled_run_resumes_a_cut_off_run_then_starts_anew(tmp_path):
     config was SIGKILLed at round 2, so it resumes it in place; the next one starts anew."""
     import fcntl
 
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
 
     from flows.experiment import read_run_file
     from flows.schedule import run_scheduled, schedule_root, scheduled_experiment
@@ -237,7 +237,7 @@ def test_flock_schedule_runs_the_experiment_on_the_server(live):
     print(f"server ready in {live.server_ready_s:.0f}s; first scheduled run COMPLETED {live.wait_s:.0f}s after "
           f"the schedule was served ({run['name']}, expected start {run['expected_start_time']})")
     dep = live.deployment()
-    from flockfl.config import load_experiment
+    from flockfl.experiments import load_experiment
 
     cfg = load_experiment(str(live.dir / "sched.yaml"), [], str(live.dir / "params.yaml"))
     assert dep["name"] == f"sched-{cfg.digest()[:8]}" and dep["paused"] is False

@@ -9,7 +9,8 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from flockfl.config import ConfigError, validate
+from flockfl.errors import ConfigError
+from flockfl.experiments import validate
 from flockfl.data import shift
 from flockfl.rounds import PLAIN, drive, prepare, run_rounds
 from flockfl.state import load_latest, save_checkpoint

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.config import validate
+from flockfl.experiments import validate
 from flockfl.rounds import prepare, run_rounds
 from flockfl.state import CheckpointError, ServerState, decode_state, encode_state, list_checkpoints, load_latest, save_checkpoint
 

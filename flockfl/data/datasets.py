@@ -19,7 +19,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from flockfl.config import ConfigError, DatasetConfig
+from flockfl.errors import ConfigError
+from flockfl.config import DatasetConfig
 from flockfl.rng import np_rng
 
 

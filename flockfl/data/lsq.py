@@ -29,7 +29,7 @@ def lsq_run(algo: dict, data: ClientData, train: dict, seed: int = 0):
     """A prepared run of ``algo`` on ``data`` (a linear model; every client each round unless
     ``train.clients_per_round`` says otherwise; full-batch local steps unless overridden)."""
     from flockfl.algorithms import RunContext, build_algorithm
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flockfl.rounds import PreparedRun
     from models import build_model
 

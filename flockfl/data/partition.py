@@ -28,7 +28,8 @@ from typing import Optional
 import numpy as np
 
 from flockfl.clustering import data_basis, hierarchical_clusters, proximity_matrix
-from flockfl.config import ConfigError, ExperimentConfig, PartitionConfig
+from flockfl.errors import ConfigError
+from flockfl.config import ExperimentConfig, PartitionConfig
 from flockfl.data.datasets import Dataset
 from flockfl.rng import np_rng
 from flockfl.state import atomic_write

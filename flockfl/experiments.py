@@ -1,0 +1,214 @@
+"""An experiment's config from where users write it: a named experiment in ``params.yaml``,
+a YAML file, and ``--set key=value`` overrides; validated against the schema
+(``flockfl.config``) and the registries (each algorithm's declared keys, each dataset's
+schemes). Everything is checked here, so nothing deeper needs defensive checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel
+
+from flockfl.config import ExperimentConfig, deep_merge, validate_schema
+from flockfl.errors import ConfigError
+
+
+def parse_set(items: list[str]) -> dict[str, Any]:
+    """Turn ``["train.lr=0.1", "algorithm.name=ifca"]`` into a nested dict. Values are read
+    as YAML (numbers, booleans, lists), except for a key the schema or the algorithms declare
+    as text: ``train.eval_finetune=off`` is the text 'off', not YAML's boolean."""
+    nested: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.lr=0.1")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError(f"--set {item!r}: empty key; expected key=value, e.g. --set train.lr=0.1")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            value = raw
+        if not isinstance(value, (str, list, dict)) and value is not None and is_text_key(key):
+            value = raw.strip()
+        node = nested
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {p!r} is a value, not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def _only_text(ann: Any) -> bool:
+    """The annotation admits text and nothing else (None aside): str, or a Literal of strings."""
+    args = [a for a in typing.get_args(ann) if a is not type(None)] if typing.get_origin(ann) is typing.Union else [ann]
+    if len(args) != 1:
+        return False
+    one = args[0]
+    if typing.get_origin(one) is Literal:
+        return all(isinstance(v, str) for v in typing.get_args(one))
+    return one is str
+
+
+def is_text_key(key: str) -> bool:
+    """``key`` (dotted) is declared as text: by the schema, or for ``algorithm.*`` by every
+    algorithm that declares it (a choice among strings, or free text)."""
+    parts = key.split(".")
+    if parts[0] == "algorithm" and len(parts) == 2 and parts[1] != "name":
+        from flockfl.algorithms import ALGORITHMS
+        from flockfl.algorithms.hyper import declared
+
+        decl = [declared(cls)[parts[1]] for cls in ALGORITHMS.values() if parts[1] in declared(cls)]
+        return bool(decl) and all(h.kind == "text" or (h.kind == "choice" and all(isinstance(c, str) for c in h.choices))
+                                  for h in decl)
+    model: type[BaseModel] = ExperimentConfig
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        if i == len(parts) - 1:
+            return _only_text(field.annotation)
+        if not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return False
+        model = field.annotation
+    return False
+
+
+def validate(raw: dict[str, Any]) -> ExperimentConfig:
+    """The whole validation: the schema, then what needs the registries. The algorithm's own
+    keys are checked against its declaration and their defaults filled in."""
+    cfg = validate_schema(raw)
+    try:
+        _check_registered(cfg)
+    except ValueError as err:  # the same one-line form as the schema's own rules
+        raise ConfigError(f"config error: {err}") from None
+    return cfg
+
+
+def _check_registered(cfg: ExperimentConfig) -> None:
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.algorithms.hyper import declared, resolve
+    from flockfl.data.datasets import check_natural_only
+
+    cls = ALGORITHMS.get(cfg.algorithm.name)
+    if cls is None:
+        raise ValueError(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
+    resolved = resolve(cls, cfg.algorithm.hyper(), ALGORITHMS)
+    extra = cfg.algorithm.__pydantic_extra__
+    extra.clear()
+    extra.update(resolved)
+    part = cfg.partition
+    if part.server_holdout is None:  # the server's own data, for the algorithms that need it
+        part.server_holdout = int(resolved["server_data_size"]) if "server_data_size" in declared(cls) else 0
+    cls.check_config(cfg)
+    check_natural_only(cfg.dataset.name, part.scheme)
+
+
+def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        return {}
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{p}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a mapping with 'partitions' and 'experiments'")
+    return data
+
+
+def resolve_partition_ref(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """Inherit seed/dataset/partition from ``partitions.<partition.name>`` in params.yaml."""
+    ref = (raw.get("partition") or {}).get("name")
+    if not ref:
+        return raw
+    parts = params.get("partitions") or {}
+    if ref not in parts:
+        known = ", ".join(sorted(parts)) or "none"
+        raise ConfigError(f"config error: partition.name {ref!r} is not in params.yaml partitions (known: {known})")
+    base = {k: v for k, v in parts[ref].items() if k in ("seed", "dataset", "partition")}
+    return deep_merge(base, raw)
+
+
+def load_experiment(
+    name_or_path: str, overrides: list[str] | None = None, params_path: str | Path = "params.yaml"
+) -> ExperimentConfig:
+    """Resolve a config from a params.yaml experiment name or a YAML file, plus ``--set`` overrides."""
+    params = load_params(params_path)
+    experiments = params.get("experiments") or {}
+    path = Path(name_or_path)
+    if name_or_path in experiments:
+        raw = copy.deepcopy(experiments[name_or_path]) or {}
+        raw.setdefault("name", name_or_path)
+    elif path.suffix in (".yaml", ".yml", ".json") and path.exists():
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping of config sections")
+        raw.setdefault("name", path.stem)
+    else:
+        known = ", ".join(sorted(experiments)) or "none"
+        raise ConfigError(
+            f"unknown experiment {name_or_path!r}: not a config file and not in {params_path} (experiments: {known})"
+        )
+    over = parse_set(overrides or [])
+    notices: list[str] = []
+    raw = deep_merge(switch_algorithm(raw, over, notices.append), over)
+    raw = resolve_partition_ref(raw, params)
+    cfg = validate(raw)
+    for note in notices:  # only for a config that loads: an error stays one line
+        _notice(note)
+    return cfg
+
+
+def switch_algorithm(raw: dict[str, Any], override: dict[str, Any], notify=None) -> dict[str, Any]:
+    """``--set algorithm.name=X`` on a config written for Y swaps the whole algorithm block
+    (Hydra's config groups): Y's keys that X does not take are dropped, with a one-line notice."""
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.algorithms.hyper import declared
+
+    new = (override.get("algorithm") or {}).get("name")
+    old_block = raw.get("algorithm") or {}
+    if not new or new == old_block.get("name", "fedavg") or new not in ALGORITHMS:
+        return raw
+    takes = declared(ALGORITHMS[new])
+    dropped = sorted(k for k in old_block if k != "name" and k not in takes)
+    if dropped:
+        (notify or _notice)(f"algorithm.name={new}: dropped {', '.join(f'algorithm.{k}' for k in dropped)} "
+                            f"(a key of {old_block.get('name', 'fedavg')} that {new} does not take)")
+    out = dict(raw)
+    out["algorithm"] = {k: v for k, v in old_block.items() if k not in dropped}
+    return out
+
+
+def _notice(message: str) -> None:
+    import sys
+
+    print(f"flock: note: {message}", file=sys.stderr)
+
+
+def load_partition_config(name: str, params_path: str | Path = "params.yaml") -> ExperimentConfig:
+    """A config holding just the partition named ``name`` in params.yaml."""
+    params = load_params(params_path)
+    parts = params.get("partitions") or {}
+    if name not in parts:
+        known = ", ".join(sorted(parts)) or "none"
+        raise ConfigError(f"unknown partition {name!r}: not in {params_path} partitions (known: {known})")
+    raw = {k: v for k, v in parts[name].items() if k in ("seed", "dataset", "partition")}
+    extra = set(parts[name]) - {"seed", "dataset", "partition"}
+    if extra:
+        raise ConfigError(f"partitions.{name}: unknown keys {sorted(extra)}; a partition has seed, dataset and partition")
+    raw = deep_merge(raw, {"partition": {"name": name}, "name": name})
+    raw.setdefault("model", {"name": "linear" if raw.get("dataset", {}).get("name") == "synthetic_linreg" else "mlp"})
+    raw.setdefault("train", {})
+    raw["train"].setdefault("clients_per_round", 1)
+    return validate(raw)

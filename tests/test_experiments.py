@@ -1,0 +1,34 @@
+"""Loading an experiment: --set values reach the schema with the type it declares."""
+
+from __future__ import annotations
+
+import pytest
+
+from flockfl.errors import ConfigError
+from flockfl.experiments import is_text_key, load_experiment, parse_set
+
+
+def test_set_keeps_text_for_a_key_declared_as_text(workdir):
+    # YAML reads `off` as the boolean False; train.eval_finetune declares 'final'|'every'|'off'
+    assert parse_set(["train.eval_finetune=off"]) == {"train": {"eval_finetune": "off"}}
+    cfg = load_experiment("fedavg_rotated_digits", ["train.eval_finetune=off"], workdir / "params.yaml")
+    assert cfg.train.eval_finetune == "off"
+    # quoted, as the only way that worked before, still works
+    assert parse_set(["train.eval_finetune='off'"]) == {"train": {"eval_finetune": "off"}}
+
+
+def test_set_still_reads_numbers_booleans_and_lists():
+    assert parse_set(["train.lr=0.1", "train.full_batch=true", "train.simulate_failures=[1, 2]", "seed=3"]) == {
+        "train": {"lr": 0.1, "full_batch": True, "simulate_failures": [1, 2]}, "seed": 3}
+    assert parse_set(["partition.rho=null"]) == {"partition": {"rho": None}}
+
+
+def test_text_keys_come_from_the_declarations():
+    assert is_text_key("train.eval_finetune") and is_text_key("curriculum.expert") and is_text_key("algorithm.init")
+    assert not is_text_key("train.lr") and not is_text_key("train.full_batch") and not is_text_key("algorithm.k")
+    assert not is_text_key("no.such.key")
+
+
+def test_a_text_key_given_a_wrong_word_is_one_line(workdir):
+    with pytest.raises(ConfigError, match=r"train.eval_finetune.*'final', 'every' or 'off'.*got 'no'"):
+        load_experiment("fedavg_rotated_digits", ["train.eval_finetune=no"], workdir / "params.yaml")
