@@ -202,7 +202,7 @@ def _load(job: ShardJob) -> dict:
                                 f"{prep.partition_hash[:16]}…, the flow's is {job.partition_hash[:16]}…); give the "
                                 "workers the same data files")
         ctx = prep.ctx
-        entry = {"ctx": ctx, "views": {}, "device": ctx.data.train.x.device}
+        entry = {"ctx": ctx, "stages": prep.stages, "views": {}, "device": ctx.data.train.x.device}
         if entry["device"].type == "cuda":
             sample = tuple(ctx.data.input_shape)
             entry["client_bytes"] = client_bytes(sum(p.numel() for p in ctx.model.parameters()),
@@ -220,7 +220,7 @@ def _context(entry: dict, sh: Optional[dict]):
     ctx = entry["ctx"]
     if sh is None:
         return ctx
-    from flockfl.data import shift
+    from flockfl.stages import shift
 
     key = shift._key(sh)
     if key not in entry["views"]:
@@ -262,7 +262,7 @@ def run_job(payload: bytes) -> bytes:
 
     On a GPU, a shard larger than what fits in ``gpu_memory_fraction`` of the free memory is
     trained in pieces (each client's training does not depend on its shard-mates)."""
-    from flockfl import rounds
+    from flockfl import training
 
     t0 = time.perf_counter()
     job: ShardJob = pickle.loads(payload)
@@ -277,7 +277,8 @@ def run_job(payload: bytes) -> bytes:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         size = shard_size_for(free, entry["client_bytes"], n, job.gpu_memory_fraction)
-    parts = [rounds.train_shard(ctx, s, job.engine, job.round) for s in rounds.split_spec(spec, size)]
+    stages = tuple(entry["stages"].values())
+    parts = [training.train_shard(ctx, s, job.engine, job.round, stages) for s in training.split_spec(spec, size)]
     result = TrainResult.concat(parts)
     result = map_result(result, lambda t: compact(t.detach().cpu()))
     info = {"pieces": len(parts), "device": str(device), "seconds": time.perf_counter() - t0, "worker": _worker_name()}

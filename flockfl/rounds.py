@@ -16,22 +16,20 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from flockfl.algorithms import Algorithm, RunContext, build_algorithm
-from flockfl.algorithms.base import log_round, own_model_metrics, summarise_clients
+from flockfl.algorithms import Algorithm, build_algorithm
 from flockfl.clientstate import chunks, joined
-from flockfl.errors import ConfigError
 from flockfl.config import ExperimentConfig
-from flockfl.data import build_client_data, build_or_load, load_dataset, shift
-from flockfl.engine import TRAINERS, LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
+from flockfl.context import RunContext, unseen_clients
+from flockfl.data import build_client_data, build_or_load, load_dataset
+from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
 from flockfl.engine.functional import index_params
-from flockfl.engine.schedule import restrict
+from flockfl.errors import ConfigError
+from flockfl.evaluation import own_model_metrics, summarise_clients
 from flockfl.faults import maybe_crash
+from flockfl.stages import build_stages
 from flockfl.state import ServerState
+from flockfl.training import isolate_failures, restrict_spec, retrying, shard_loop, split_spec, train_shard
 from models import build_model
-
-
-class ClientFailure(RuntimeError):
-    """Local training of one or more clients failed."""
 
 
 @dataclass
@@ -44,6 +42,8 @@ class PreparedRun:
     partition_cached: bool
     threads: int
     info: dict = field(default_factory=dict)
+    # the stages this run uses (curriculum, pruning, shift), by name, in hook order
+    stages: dict = field(default_factory=dict)
 
 
 def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions", build: bool = True) -> PreparedRun:
@@ -60,7 +60,7 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
     ctx = RunContext(cfg, model, data, truth)
     return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads,
-                       info={"heterogeneity": dict(part.info.get("heterogeneity") or {})})
+                       info={"heterogeneity": dict(part.info.get("heterogeneity") or {})}, stages=build_stages(cfg, model))
 
 
 def check_task(cfg: ExperimentConfig, ds) -> None:
@@ -76,60 +76,10 @@ def check_task(cfg: ExperimentConfig, ds) -> None:
 
 def check_population(cfg: ExperimentConfig, num_clients: int) -> None:
     """The cohort must fit the clients that federate (all but the newcomers)."""
-    from flockfl.algorithms.base import unseen_clients
-
     seen = num_clients - len(unseen_clients(num_clients, cfg.partition.unseen_fraction, cfg.seed))
     if cfg.train.clients_per_round > seen:
         raise ConfigError(f"train.clients_per_round: {cfg.train.clients_per_round} exceeds the {seen} clients that federate "
                           f"({num_clients} clients, unseen_fraction={cfg.partition.unseen_fraction}); lower it")
-
-
-# ---------------------------------------------------------------------- training
-
-
-def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
-    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients
-    (none for an empty cohort: under CC-FL a round can have no participants)."""
-    n = len(spec.clients)
-    if n == 0:
-        return []
-    if n <= shard_size:
-        return [spec]
-    return [restrict(spec, slice(a, min(n, a + shard_size))) for a in range(0, n, shard_size)]
-
-
-def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int) -> TrainResult:
-    """Train one shard; raise :class:`ClientFailure` if any client failed or diverged."""
-    bad = sorted(set(int(c) for c in spec.clients) & set(ctx.cfg.train.simulate_failures))
-    if bad:
-        raise ClientFailure(f"simulated failure of clients {bad}")
-    result = TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
-    # a sum is non-finite iff some entry is (inf − inf gives nan): one read, no mask tensor
-    finite = torch.stack([torch.isfinite(v.reshape(len(result.clients), -1).sum(1)) for v in result.params.values()]).all(0)
-    if not bool(finite.all()):
-        raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
-    if ctx.pruning.on:  # the client's own prune decision (Sub-FedAvg's ClientUpdate) is part of its local work
-        result = ctx.pruning.client_update(ctx, spec, result)
-    return result
-
-
-def isolate_failures(ctx: RunContext, spec: LocalSpec, engine: str, round: int) -> tuple[Optional[TrainResult], list[int]]:
-    """After a shard failed its retries: train its clients one by one, drop those that fail."""
-    parts, dropped = [], []
-    for one in split_spec(spec, 1):
-        try:
-            parts.append(train_shard(ctx, one, engine, round))
-        except Exception:
-            dropped.append(int(one.clients[0]))
-    return (TrainResult.concat(parts) if parts else None), dropped
-
-
-def restrict_spec(spec: LocalSpec, clients: np.ndarray) -> LocalSpec:
-    """The spec of the clients that survived (their per-client rows follow them)."""
-    if len(clients) == len(spec.clients) and np.array_equal(clients, spec.clients):
-        return spec
-    pos = {int(c): i for i, c in enumerate(spec.clients)}
-    return restrict(spec, np.array([pos[int(c)] for c in clients], dtype=np.int64))
 
 
 def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
@@ -171,44 +121,34 @@ def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[Ser
     """Choose the cohort (``select``), apply the round's distribution shift (``shift.*``), let
     the algorithm react to the data (``before_training``: FlexCFL's migration and cold start),
     then decide how each client trains (``local_spec``)."""
-    alg, ctx = prep.algorithm, prep.ctx
-    shift.sync(ctx, state)
+    alg, ctx, stages = prep.algorithm, prep.ctx, prep.stages.values()
+    for st in stages:
+        st.sync(ctx, state)
     clients = alg.select(state, ctx, round)
-    if ctx.curriculum.clients_on:  # a client curriculum replaces the algorithm's draw
-        clients, counts = ctx.curriculum.select(ctx, state, alg, round)
-        log_round(state, **counts)
-    state = shift.apply(ctx, alg, state, round)
+    for st in stages:
+        clients = st.select(ctx, state, alg, clients, round)
+    for st in stages:
+        state = st.after_select(ctx, alg, state, round)
     state = alg.before_training(state, ctx, clients, round)
     spec = alg.local_spec(state, ctx, clients, round)
     if ctx.cfg.train.momentum and not spec.momentum:  # train.momentum: local momentum for any algorithm
         spec = dataclasses.replace(spec, momentum=ctx.cfg.train.momentum)
-    if ctx.pruning.on:  # each client starts from its subnetwork and trains masked
-        spec = ctx.pruning.prepare_spec(state, spec, ctx.data.train.sizes)
-    if ctx.curriculum.data_on:  # scores with the model each client received, then paced batches
-        spec, counts = ctx.curriculum.apply(ctx, state, spec, round)
-        log_round(state, **counts)
-    if ctx.curriculum.on and "curriculum" not in state.meta:
-        state.meta = {**state.meta, "curriculum": ctx.curriculum.choices()}
+    for st in stages:
+        spec = st.on_spec(ctx, state, spec, round)
     maybe_crash("select", round)
     return state, spec
 
 
 def train_stage(prep: PreparedRun, spec: LocalSpec, engine: str, round: int) -> tuple[Optional[TrainResult], list[int]]:
-    """Train the cohort shard by shard; a shard that fails ``train.max_retries + 1`` times has
-    its clients trained one by one, and the failing ones are dropped."""
-    parts, dropped = [], []
-    for shard in split_spec(spec, prep.cfg.train.shard_size):
-        for attempt in range(prep.cfg.train.max_retries + 1):
-            try:
-                parts.append(train_shard(prep.ctx, shard, engine, round))
-                break
-            except Exception:
-                continue
-        else:
-            part, lost = isolate_failures(prep.ctx, shard, engine, round)
-            parts += [part] if part is not None else []
-            dropped += lost
-    return (TrainResult.concat(parts) if parts else None), dropped
+    """Train the cohort shard by shard, in this process (the plain loop's submit function)."""
+    t = prep.cfg.train
+    stages = tuple(prep.stages.values())
+
+    def run(shards: list[LocalSpec]):
+        for shard in shards:
+            yield retrying(lambda: train_shard(prep.ctx, shard, engine, round, stages), t.max_retries)
+
+    return shard_loop(spec, t.shard_size, run, lambda shard: isolate_failures(prep.ctx, shard, engine, round, stages))
 
 
 def cluster_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult) -> np.ndarray:
@@ -217,12 +157,12 @@ def cluster_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result
 
 def aggregate_stage(prep: PreparedRun, state: ServerState, spec: LocalSpec, result: TrainResult,
                     assign: np.ndarray, round: int) -> ServerState:
-    ctx = prep.ctx
-    sent = ctx.pruning.fill(prep.algorithm, state, result, assign) if ctx.pruning.on else result
-    new = prep.algorithm.aggregate(state, ctx, spec, sent, assign)
-    if ctx.pruning.on:
-        log_round(new, **ctx.pruning.record(new, result))
-    ctx.curriculum.remember(new, result)
+    sent = result
+    for st in prep.stages.values():
+        sent = st.before_aggregate(prep.algorithm, state, sent, assign)
+    new = prep.algorithm.aggregate(state, prep.ctx, spec, sent, assign)
+    for st in prep.stages.values():
+        st.after_aggregate(new, result)
     maybe_crash("aggregate", round)
     return new
 
@@ -232,13 +172,14 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
     then, per ``train.eval_finetune``, the same after local fine-tuning (the thesis's
     convention); after the last round, the newcomers join and are measured."""
     alg, ctx, cfg = prep.algorithm, prep.ctx, prep.cfg
-    shift.sync(ctx, state)
+    for st in prep.stages.values():
+        st.sync(ctx, state)
     metrics = alg.evaluate(state, ctx)
     last = round + 1 == cfg.train.rounds
     engine = state.meta.get("engine", "vectorized")
     tune = cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last)
-    if ctx.pruning.on:  # every client with its own subnetwork, as downloaded and after local training
-        metrics.update(ctx.pruning.evaluate(prep, state, metrics, round, tune))
+    for st in prep.stages.values():
+        metrics.update(st.on_evaluate(prep, state, metrics, round, tune))
     if tune:  # in chunks of train.eval_chunk clients: memory holds one chunk's fine-tuned models
         parts = []
         for part in chunks(ctx.seen, cfg.train.eval_chunk):
@@ -312,8 +253,8 @@ class RoundWork:
         steps = result.num_steps if result is not None else np.zeros(0)
         self.clients += [int(c) for c in clients]
         self.dropped += list(dropped)
-        if result is not None and prep.ctx.pruning.on:  # a pruned entry is not uploaded
-            saved, thesis = prep.ctx.pruning.upload(result)
+        for st in prep.stages.values() if result is not None else ():  # a pruned entry is not uploaded
+            saved, thesis = st.upload(result)
             up, self.thesis = up - saved, self.thesis + thesis
         self.down, self.up = self.down + int(down), self.up + int(up)
         self.sim += alg.sim_round_time(state, prep.ctx, trained, steps)  # cycles run one after another
@@ -338,8 +279,8 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
                 "bytes_down": work.down, "bytes_up": work.up, "bytes_total": work.down + work.up, "round_time_s": wall,
                 "sim_round_time": work.sim, "sim_time": sim_total,
                 "comm_bytes": last.get("comm_bytes", 0) + work.down + work.up})
-    if prep.ctx.pruning.on:
-        row.update({"bytes_thesis": work.thesis, "comm_bytes_thesis": last.get("comm_bytes_thesis", 0.0) + work.thesis})
+    for st in prep.stages.values():
+        row.update(st.row(work.thesis, last))
     if metrics and "_newcomers" in metrics:
         meta["newcomers"] = metrics["_newcomers"]
     assigned = metrics["_assignment"] if metrics else state.assignments

@@ -217,3 +217,12 @@ def load_latest(run_dir: Path) -> tuple[Optional[ServerState], list[str]]:
         except (CheckpointError, OSError) as err:
             warnings.append(f"refused {err}; falling back to the previous checkpoint")
     return None, warnings
+
+
+def log_round(state: ServerState, **counts: float) -> None:
+    """Add counts to this round's history row (summed over a round's cycles), e.g.
+    ``log_round(state, clients_migrated=3, bytes_p2p=...)``."""
+    log = dict(state.meta.get("round_log") or {})
+    for k, v in counts.items():
+        log[k] = log.get(k, 0) + v
+    state.meta = {**state.meta, "round_log": log}  # new dicts: earlier states sharing meta are untouched

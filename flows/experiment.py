@@ -22,10 +22,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote as Q
 
 import tasks
-from flockfl import executor, rounds
+from flockfl import executor, rounds, training
 from flockfl.config import ExperimentConfig
 from flockfl.experiments import validate
-from flockfl.data import shift
+from flockfl.stages import shift
 from flockfl.engine import TrainResult
 from flockfl.state import ServerState
 from tasks.tracking import Tracker
@@ -147,25 +147,22 @@ def task_stages(remote: Optional["DaskTraining"] = None) -> rounds.Stages:
 
 
 def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optional[TrainResult], list[int]]:
+    """The train stage as Prefect tasks: one ``train_shard`` task per shard (retried by Prefect),
+    the shard loop of ``flockfl.training``."""
     cfg = prep.cfg.train
-    shards = rounds.split_spec(spec, cfg.shard_size)
     train = tasks.train_shard.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
-    if cfg.parallel_shards > 1:
-        futures = [train.submit(Q(prep), Q(shard), engine, r) for shard in shards]
-        states = [f.wait() or f.state for f in futures]
-    else:
-        # one shard at a time, in this thread: torch's intra-op pool is warm here, and a
-        # worker thread measured ~40% slower per step on 2 cores
-        states = [train(Q(prep), Q(shard), engine, r, return_state=True) for shard in shards]
-    parts, dropped = [], []
-    for shard, st in zip(shards, states):
-        if st.is_completed():
-            parts.append(st.result())
+
+    def run(shards):
+        if cfg.parallel_shards > 1:
+            futures = [train.submit(Q(prep), Q(shard), engine, r) for shard in shards]
+            states = [f.wait() or f.state for f in futures]
         else:
-            part, lost = tasks.isolate_failures(Q(prep), Q(shard), engine, r)
-            parts += [part] if part is not None else []
-            dropped += lost
-    return (TrainResult.concat(parts) if parts else None), dropped
+            # one shard at a time, in this thread: torch's intra-op pool is warm here, and a
+            # worker thread measured ~40% slower per step on 2 cores
+            states = [train(Q(prep), Q(shard), engine, r, return_state=True) for shard in shards]
+        return [st.result() if st.is_completed() else None for st in states]
+
+    return training.shard_loop(spec, cfg.shard_size, run, lambda shard: tasks.isolate_failures(Q(prep), Q(shard), engine, r))
 
 
 class DaskTraining:
@@ -207,29 +204,28 @@ class DaskTraining:
         import dask
 
         cfg = prep.cfg.train
-        shards = rounds.split_spec(spec, cfg.shard_size)
-        jobs = [executor.pack(executor.ShardJob(**self.base, shift=self.shift, spec=s, engine=engine, round=r))
-                for s in shards]
-        task = tasks.train_shard_remote.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
-        with dask.annotate(resources={"GPU": 1}) if self.gpu else nullcontext():
-            futures = [task.submit(job) for job in jobs]
-        parts, dropped = [], []
-        for shard, job, fut in zip(shards, jobs, futures):
-            payload = self._settle(fut)
-            self.counts["executor_bytes_to_workers"] += len(job)
-            self.counts["executor_shards"] += 1
-            if payload is not None:
+
+        def run(shards):
+            jobs = [executor.pack(executor.ShardJob(**self.base, shift=self.shift, spec=s, engine=engine, round=r))
+                    for s in shards]
+            task = tasks.train_shard_remote.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
+            with dask.annotate(resources={"GPU": 1}) if self.gpu else nullcontext():
+                futures = [task.submit(job) for job in jobs]
+            for job, fut in zip(jobs, futures):
+                payload = self._settle(fut)
+                self.counts["executor_bytes_to_workers"] += len(job)
+                self.counts["executor_shards"] += 1
+                if payload is None:
+                    self.counts["executor_shards_local"] += 1
+                    yield None
+                    continue
                 result, info = executor.unpack_result(payload, self.device)
                 self.counts["executor_bytes_from_workers"] += len(payload)
                 self.counts["executor_pieces"] += info["pieces"]
                 self.counts["executor_worker_s"] += info["seconds"]  # the shard's time on its worker
-                parts.append(result)
-            else:
-                self.counts["executor_shards_local"] += 1
-                part, lost = tasks.isolate_failures(Q(prep), Q(shard), engine, r)
-                parts += [part] if part is not None else []
-                dropped += lost
-        return (TrainResult.concat(parts) if parts else None), dropped
+                yield result
+
+        return training.shard_loop(spec, cfg.shard_size, run, lambda shard: tasks.isolate_failures(Q(prep), Q(shard), engine, r))
 
     @staticmethod
     def _settle(fut) -> Optional[bytes]:

@@ -17,7 +17,7 @@ import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flockfl import rounds
+from flockfl import rounds, training
 from flockfl.engine import LocalSpec, TrainResult
 from flockfl.faults import maybe_crash
 from flockfl.state import ServerState, load_latest, save_checkpoint
@@ -76,7 +76,7 @@ def select(prep: rounds.PreparedRun, state: ServerState, round: int) -> tuple[Se
 @task(name="train_shard", **_quiet)
 @timed
 def train_shard(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int) -> TrainResult:
-    return rounds.train_shard(prep.ctx, spec, engine, round)
+    return training.train_shard(prep.ctx, spec, engine, round, tuple(prep.stages.values()))
 
 
 def _retry_unless_setup_error(task, task_run, state) -> bool:
@@ -105,7 +105,7 @@ def train_shard_remote(job: bytes) -> bytes:
 @task(name="isolate_failures", **_quiet)
 @timed
 def isolate_failures(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int):
-    return rounds.isolate_failures(prep.ctx, spec, engine, round)
+    return training.isolate_failures(prep.ctx, spec, engine, round, tuple(prep.stages.values()))
 
 
 @task(name="cluster", **_quiet)

@@ -20,7 +20,7 @@ from flockfl.engine.pacing import Pacing, paced_batches, pacing_size
 from flockfl.engine.schedule import LocalSpec, client_batches, cohort_schedule
 from flockfl.rng import torch_generator
 from flockfl.rounds import prepare, run_rounds, select_stage
-from flockfl.curriculum.stage import client_losses, rank
+from flockfl.stages.curriculum import client_losses, rank
 
 FAMILIES = ("exp", "step", "root", "linear", "quad")
 
@@ -195,7 +195,7 @@ def test_trainers_agree_with_curriculum_masks_snapshot_and_gradient_terms(tmp_pa
     sizes = prep.ctx.data.train.sizes[spec.clients]
     assert len(set(sizes.tolist())) > 1  # unequal clients
     # random masks (weights and, for BN models, whole channels), an init restricted to them
-    pr = prep.ctx.pruning
+    pr = prep.stages["pruning"]
     g = torch.Generator().manual_seed(11)
     w = {k: torch.rand(c, *pr.shapes[k], generator=g) > 0.3 for k in pr.unstructured}
     ch = {gr["bn"]: torch.rand(c, pr.shapes[f"{gr['bn']}.weight"][0], generator=g) > 0.25 for gr in pr.groups}
@@ -274,7 +274,7 @@ def test_orderings_differ_and_the_order_follows_the_score(tmp_path):
     # with s_G, the order is the received model's per-sample loss, ascending for curr
     prep = prepare(cfg_of({"ordering": "curr"}), tmp_path)
     state, spec = select_stage(prep, prep.algorithm.init_state(prep.ctx), 0)
-    losses = prep.ctx.curriculum.sample_losses(prep.ctx, state, spec)
+    losses = prep.stages["curriculum"].sample_losses(prep.ctx, state, spec)
     for i in range(len(spec.clients)):
         ordered = losses[i][1][np.asarray(spec.order[i])]
         assert (np.diff(ordered) >= -1e-12).all()
@@ -294,7 +294,7 @@ def test_every_scoring_function_runs(tmp_path, scoring):
 def test_s_L_persists_each_clients_last_local_model(tmp_path):
     cfg = cfg_of({"ordering": "curr", "scoring": "s_L"}, rounds=3)
     prep = prepare(cfg, tmp_path)
-    calls = spy(prep.ctx.curriculum, "remember")
+    calls = spy(prep.stages["curriculum"], "remember")
     st = run_rounds(prep)
     results = [result for _, result in calls]
     table = st.algo["curriculum"]["models"]
@@ -323,8 +323,8 @@ def test_client_curriculum_pool_grows_by_the_pacing(tmp_path, b, pacing):
     cfg = cfg_of({"clients": True, "b": b, "a": 0.8, "pacing": pacing}, rounds=rounds, clients_per_round=k)
     prep = prepare(cfg, tmp_path)
     seen_cohorts = []
-    cur = prep.ctx.curriculum
-    orig = cur.select
+    cur = prep.stages["curriculum"]
+    orig = cur.cohort
 
     def select(ctx, state, alg, round):
         cohort, counts = orig(ctx, state, alg, round)
@@ -332,7 +332,7 @@ def test_client_curriculum_pool_grows_by_the_pacing(tmp_path, b, pacing):
         seen_cohorts.append((cohort, counts["client_pool"], loss))
         return cohort, counts
 
-    cur.select = select
+    cur.cohort = select
     st = run_rounds(prep)
     n = len(prep.ctx.seen)
     want = [pacing_size(pacing, r, n, rounds, 0.8, b) for r in range(rounds)]
@@ -380,10 +380,10 @@ def test_s_E_reads_a_pt_file_and_a_checkpoint_and_a_missing_file_is_one_line(tmp
             assert np.isfinite(st.history[-1]["accuracy"])
             runs[name, key] = st.digest()
             if name == "ckpt":  # the checkpoint's model 0 is the expert
-                for k, v in p.ctx.curriculum.expert(p.ctx).items():
+                for k, v in p.stages["curriculum"].expert(p.ctx).items():
                     torch.testing.assert_close(v, trained.models[k][0])
             if name == "pt":
-                for k, v in p.ctx.curriculum.expert(p.ctx).items():
+                for k, v in p.stages["curriculum"].expert(p.ctx).items():
                     torch.testing.assert_close(v, good[k])
     assert runs["pt", "scoring"] != runs["other", "scoring"] != runs["ckpt", "scoring"]
 

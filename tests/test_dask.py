@@ -74,13 +74,13 @@ def test_a_job_carries_only_its_shard_rows():
 
 
 def _job(cfg, root, prep, **over):
-    from flockfl import rounds
+    from flockfl import rounds, training
     from flockfl.executor import ShardJob, context_key
 
     state = prep.algorithm.init_state(prep.ctx)
     state, spec = rounds.select_stage(prep, state, 0)
     base = dict(config=cfg.model_dump(), context_key=context_key(cfg), data_root=str(root),
-                partition_hash=prep.partition_hash, shift=None, spec=rounds.split_spec(spec, 2)[0],
+                partition_hash=prep.partition_hash, shift=None, spec=training.split_spec(spec, 2)[0],
                 engine="vectorized", round=0)
     return ShardJob(**{**base, **over}), spec
 
@@ -88,7 +88,7 @@ def _job(cfg, root, prep, **over):
 def test_worker_trains_like_the_flow_and_refuses_other_data(tmp_path):
     """run_job in this process: the same result as rounds.train_shard; a partition the worker
     cannot find, or one with another content hash, is a one-line ExecutorError."""
-    from flockfl import rounds
+    from flockfl import rounds, training
     from flockfl.executor import ExecutorError, clear_cache, pack, run_job, unpack_result
 
     cfg = config("fedavg")
@@ -96,7 +96,7 @@ def test_worker_trains_like_the_flow_and_refuses_other_data(tmp_path):
     job, spec = _job(cfg, tmp_path / "parts", prep)
     clear_cache()
     out, info = unpack_result(run_job(pack(job)), torch.device("cpu"))
-    ref = rounds.train_shard(prep.ctx, job.spec, "vectorized", 0)
+    ref = training.train_shard(prep.ctx, job.spec, "vectorized", 0, tuple(prep.stages.values()))
     assert info["pieces"] == 1 and np.array_equal(out.clients, ref.clients)
     assert all(torch.equal(out.params[k], ref.params[k]) for k in ref.params)
     for bad, needle in ((dict(data_root=str(tmp_path / "elsewhere")), "does not exist"),
@@ -162,7 +162,7 @@ def runs(tmp_path_factory):
 
 
 def _training_bytes(cfg, root) -> int:
-    from flockfl import rounds
+    from flockfl import rounds, training
 
     return len(pickle.dumps(rounds.prepare(cfg, root / "parts").ctx.data.train))
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.algorithms import RunContext, build_algorithm
+from flockfl.context import RunContext
+from flockfl.algorithms import build_algorithm
 from flockfl.experiments import validate
 from flockfl.engine.data import ClientData, Split
 from flockfl.engine import LocalSpec, choose_engine, train_cohort, train_reference

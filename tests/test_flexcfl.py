@@ -275,7 +275,7 @@ def test_label_aware_migration_follows_the_data_where_the_static_groups_do_not(t
     across groups, and each mover's Eq. 8 cold start on its new data puts it in that data's group."""
     from sklearn.metrics import adjusted_rand_score
 
-    from flockfl.data import shift as shift_mod
+    from flockfl.stages import shift as shift_mod
 
     aware = {"name": "flexcfl", "k": 3, "alpha": 2, "shift_detector": "label_aware"}
     flex = run_rounds(prepare(npz_cfg(tmp_path, aware, SWAP), tmp_path))

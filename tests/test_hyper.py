@@ -10,7 +10,8 @@ from conftest import ROOT, tiny_config
 
 from flockfl.algorithms import ALGORITHMS, algorithm_table, describe
 from flockfl.algorithms.hyper import declared
-from flockfl.config import ConfigError, validate
+from flockfl.errors import ConfigError
+from flockfl.experiments import validate
 
 
 def test_every_algorithm_declares_a_paper_and_documented_keys():
@@ -106,8 +107,9 @@ def test_describe_lists_paper_keys_and_stages():
     assert describe("fedavg")["stages"] == []
 
 
-def test_readme_algorithm_table_is_generated_from_the_declarations():
-    readme = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- algorithms:start -->\n(.*?)\n<!-- algorithms:end -->", readme, re.S)
-    assert block, "README.md lost its generated algorithm table markers"
-    assert block.group(1) == algorithm_table(), "README's algorithm table is stale: paste `flock list --markdown`"
+def test_docs_algorithm_table_is_generated_from_the_declarations():
+    doc = (ROOT / "docs" / "algorithms.md").read_text()
+    block = re.search(r"<!-- algorithms:start -->\n(.*?)\n<!-- algorithms:end -->", doc, re.S)
+    assert block, "docs/algorithms.md lost its generated algorithm table markers"
+    assert block.group(1) == algorithm_table(), \
+        "docs/algorithms.md's algorithm table is stale: run `python -m flockfl.reference`"

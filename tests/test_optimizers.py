@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.algorithms import RunContext, build_algorithm
+from flockfl.context import RunContext
+from flockfl.algorithms import build_algorithm
 from flockfl.experiments import validate
 from flockfl.data.lsq import hetero_lsq, rel_error
 from flockfl.engine import TrainResult, train_cohort

@@ -17,7 +17,7 @@ from flockfl.engine import LocalSpec, TrainResult, train_cohort, train_reference
 from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator
 from flockfl.rounds import prepare, run_rounds, summarise
-from flockfl.pruning.stage import Pruning, hamming, magnitude_masks, thesis_comm_bytes
+from flockfl.stages.pruning import Pruning, hamming, magnitude_masks, thesis_comm_bytes
 from models import build_model, init_params
 
 
@@ -95,7 +95,7 @@ def _result(clients, params, masks, sizes):
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_masked_aggregation_by_hand(tmp_path, weighting):
     prep, state, clients, params, g = _hand_setup(tmp_path, weighting)
-    pr, alg = prep.ctx.pruning, prep.algorithm
+    pr, alg = prep.stages["pruning"], prep.algorithm
     assert pr.unstructured == ["1.weight", "3.weight"]  # the mlp's two weight matrices; biases never pruned
     masks = {k: torch.rand(3, *params[k].shape[1:], generator=g) > 0.5 for k in pr.unstructured}
     masks["1.weight"][:, 0, :5] = False  # entries no client keeps
@@ -124,7 +124,7 @@ def test_masked_aggregation_by_hand(tmp_path, weighting):
 @pytest.mark.parametrize("weighting", ["uniform", "samples"])
 def test_all_ones_masks_give_plain_fedavg(tmp_path, weighting):
     prep, state, clients, params, _ = _hand_setup(tmp_path, weighting)
-    pr, alg = prep.ctx.pruning, prep.algorithm
+    pr, alg = prep.stages["pruning"], prep.algorithm
     ones = {k: torch.ones(3, *params[k].shape[1:], dtype=torch.bool) for k in pr.unstructured}
     result = _result(clients, params, ones, [10, 30, 60])
     assign = np.zeros(3, np.int64)
@@ -141,7 +141,7 @@ def test_masked_mean_is_per_cluster(tmp_path):
     """Two models (IFCA-like): each cluster averages over its own keepers, and an entry none of
     a cluster's members keeps stays at that cluster's previous value."""
     prep, state, clients, params, g = _hand_setup(tmp_path, "uniform")
-    pr, alg = prep.ctx.pruning, prep.algorithm
+    pr, alg = prep.stages["pruning"], prep.algorithm
     two = {k: torch.cat([v, v + 1.0]) for k, v in state.models.items()}
     state = state.replace(models=two)
     masks = {k: torch.rand(3, *params[k].shape[1:], generator=g) > 0.5 for k in pr.unstructured}
@@ -246,7 +246,7 @@ def test_full_masks_follow_each_channel(method, shape):
 def test_unstructured_pruning_reaches_the_target_and_masks_only_shrink(tmp_path):
     cfg = cfg_of({"method": "unstructured", "target": 0.3, "rate": 0.1, **EAGER}, rounds=6, clients_per_round=8)
     prep = prepare(cfg, tmp_path)
-    calls = spy(prep.ctx.pruning, "record")
+    calls = spy(prep.stages["pruning"], "record")
     masks = []
     st = run_rounds(prep, on_round=lambda s, row: masks.append({k: v.clone() for k, v in s.algo["pruning"]["weights"].dense().items()}))
     trained = [result for _, result in calls]
@@ -275,15 +275,15 @@ def test_unstructured_pruning_reaches_the_target_and_masks_only_shrink(tmp_path)
 
 def test_the_personalised_model_is_the_server_model_restricted_to_the_mask(tmp_path):
     """accuracy_pruned evaluates each client with its model ⊙ its mask (BN statistics its own)."""
-    from flockfl.algorithms.base import own_model_metrics, summarise_clients
+    from flockfl.evaluation import own_model_metrics, summarise_clients
     from flockfl.engine.functional import index_params
 
     cfg = cfg_of({"method": "unstructured", "target": 0.5, **EAGER}, rounds=3, clients_per_round=8)
     prep = prepare(cfg, tmp_path)
     st = run_rounds(prep)
     ctx = prep.ctx
-    w, ch = ctx.pruning.rows(st, ctx.seen)
-    full = ctx.pruning.full_masks(w, ch)
+    w, ch = prep.stages["pruning"].rows(st, ctx.seen)
+    full = prep.stages["pruning"].full_masks(w, ch)
     params = index_params(st.models, torch.zeros(len(ctx.seen), dtype=torch.long))
     params = {k: v * full[k] if k in full else v for k, v in params.items()}
     loss, acc, n = own_model_metrics(ctx.model, params, ctx.data.test, ctx.seen, ctx.data.task)

@@ -11,7 +11,7 @@ from conftest import tiny_config
 
 from flockfl.errors import ConfigError
 from flockfl.experiments import validate
-from flockfl.data import shift
+from flockfl.stages import shift
 from flockfl.rounds import PLAIN, drive, prepare, run_rounds
 from flockfl.state import load_latest, save_checkpoint
 

@@ -1,6 +1,7 @@
 """Algorithms, keyed by their registry name (``algorithm.name``)."""
 
-from flockfl.algorithms.base import Algorithm, RunContext
+from flockfl.algorithms.base import Algorithm
+from flockfl.context import RunContext
 from flockfl.algorithms.ccfl import CCFL
 from flockfl.algorithms.fedavg import FedAvg
 from flockfl.algorithms.fedavgm import FedAvgM
@@ -60,4 +61,4 @@ def algorithm_table() -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "RunContext", "algorithm_table", "build_algorithm", "describe"]
+__all__ = ["ALGORITHMS", "Algorithm", "algorithm_table", "build_algorithm", "describe"]

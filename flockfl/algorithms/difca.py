@@ -98,8 +98,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from flockfl.algorithms.base import (RunContext, client_model_losses, cluster_breakdown, log_round, own_model_metrics,
-                                     summarise_clients)
+from flockfl.context import RunContext
+from flockfl.evaluation import client_model_losses, cluster_breakdown, own_model_metrics, summarise_clients
+from flockfl.state import log_round
 from flockfl.algorithms.hyper import Hyper, choice, integer
 from flockfl.algorithms.ifca import IFCA, assign_by_min_loss, cluster_losses
 from flockfl.errors import ConfigError

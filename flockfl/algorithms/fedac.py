@@ -113,8 +113,10 @@ import torch
 from torch import nn
 
 from flockfl.clientstate import ClientTable
-from flockfl.algorithms.base import (Algorithm, RunContext, client_model_losses, log_round, own_cluster_metrics,
-                                     own_model_metrics, summarise_clients)
+from flockfl.algorithms.base import Algorithm
+from flockfl.context import RunContext
+from flockfl.evaluation import client_model_losses, own_cluster_metrics, own_model_metrics, summarise_clients
+from flockfl.state import log_round
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
 from flockfl.errors import ConfigError
 from flockfl.engine.functional import index_params

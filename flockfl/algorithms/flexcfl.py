@@ -100,8 +100,11 @@ import torch
 
 from flockfl import clustering
 from flockfl.clustering import edc_embedding
-from flockfl.algorithms.base import (Algorithm, RunContext, evaluate_models, log_round, own_cluster_metrics, summarise_clients,
-                                     train_from)
+from flockfl.algorithms.base import Algorithm
+from flockfl.context import RunContext
+from flockfl.evaluation import evaluate_models, own_cluster_metrics, summarise_clients
+from flockfl.state import log_round
+from flockfl.client import train_from
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState

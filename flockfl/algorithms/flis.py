@@ -36,7 +36,9 @@ import numpy as np
 import torch
 
 from flockfl import clustering
-from flockfl.algorithms.base import Algorithm, client_model_losses, train_from
+from flockfl.algorithms.base import Algorithm
+from flockfl.evaluation import client_model_losses
+from flockfl.client import train_from
 from flockfl.algorithms.hyper import choice, integer, real
 from flockfl.algorithms.oneshot import OneShotClustering
 from flockfl.errors import ConfigError

@@ -62,7 +62,10 @@ import numpy as np
 import torch
 
 from flockfl import clustering
-from flockfl.algorithms.base import Algorithm, RunContext, client_model_losses, train_from
+from flockfl.algorithms.base import Algorithm
+from flockfl.context import RunContext
+from flockfl.evaluation import client_model_losses
+from flockfl.client import train_from
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, text, weighting
 from flockfl.algorithms.oneshot import OneShotClustering
 from flockfl.errors import ConfigError

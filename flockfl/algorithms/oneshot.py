@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flockfl.algorithms.base import Algorithm, RunContext
+from flockfl.algorithms.base import Algorithm
+from flockfl.context import RunContext
 from flockfl.state import ServerState
 
 

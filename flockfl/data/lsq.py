@@ -28,7 +28,8 @@ def hetero_lsq(m: int = 10, d: int = 20, n: int = 50, seed: int = 0) -> tuple[Cl
 def lsq_run(algo: dict, data: ClientData, train: dict, seed: int = 0):
     """A prepared run of ``algo`` on ``data`` (a linear model; every client each round unless
     ``train.clients_per_round`` says otherwise; full-batch local steps unless overridden)."""
-    from flockfl.algorithms import RunContext, build_algorithm
+    from flockfl.context import RunContext
+    from flockfl.algorithms import build_algorithm
     from flockfl.experiments import validate
     from flockfl.rounds import PreparedRun
     from models import build_model

@@ -42,15 +42,23 @@ from flockfl.engine.pacing import Pacing, pacing_size
 from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng
 from flockfl.clientstate import ClientTable
-from flockfl.state import MAGIC, decode_state
+from flockfl.stages.base import Stage
+from flockfl.state import MAGIC, decode_state, log_round
 
 EPS = 1e-8
 
 
-class Curriculum:
+class Curriculum(Stage):
     """The ``curriculum`` section, bound to one run."""
 
-    def __init__(self, cfg):
+    name = "curriculum"
+    paper = ("Vahidian et al., When Do Curricula Work in Federated Learning? (ICCV 2023; thesis Chapter 2)")
+
+    @classmethod
+    def active(cls, cfg) -> bool:
+        return cfg.curriculum.ordering != "vanilla" or cfg.curriculum.clients
+
+    def __init__(self, cfg, model=None):
         self.cfg = cfg
         self.c = cfg.curriculum
         self._expert: Optional[dict[str, torch.Tensor]] = None
@@ -92,7 +100,29 @@ class Curriculum:
         return self._expert
 
     # ------------------------------------------------------------------ client curriculum
-    def select(self, ctx, state, alg, round: int) -> tuple[np.ndarray, dict]:
+    # ------------------------------------------------------------------ stage hooks
+    def select(self, ctx, state, algorithm, clients: np.ndarray, round: int) -> np.ndarray:
+        """A client curriculum replaces the algorithm's draw."""
+        if not self.clients_on:
+            return clients
+        clients, counts = self.cohort(ctx, state, algorithm, round)
+        log_round(state, **counts)
+        return clients
+
+    def on_spec(self, ctx, state, spec: LocalSpec, round: int) -> LocalSpec:
+        """Scores with the model each client received, then paced batches."""
+        if self.data_on:
+            spec, counts = self.apply(ctx, state, spec, round)
+            log_round(state, **counts)
+        if "curriculum" not in state.meta:
+            state.meta = {**state.meta, "curriculum": self.choices()}
+        return spec
+
+    def after_aggregate(self, state, result) -> None:
+        self.remember(state, result)
+
+    # ------------------------------------------------------------------ the curricula
+    def cohort(self, ctx, state, alg, round: int) -> tuple[np.ndarray, dict]:
         """The cohort of a client-curriculum round, and the counts to log."""
         pool_all = ctx.seen
         if self.c.client_scoring == "s_E" and self.c.expert != "global":
@@ -216,7 +246,7 @@ def _loss_pred(ctx, params: dict[str, torch.Tensor], x, y, task) -> tuple[np.nda
 @torch.no_grad()
 def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clients: np.ndarray) -> np.ndarray:
     """L_k (Eq. 2.1): each client's mean training loss under model ``which[i]``."""
-    from flockfl.algorithms.base import own_cluster_metrics
+    from flockfl.evaluation import own_cluster_metrics
 
     loss, _, _ = own_cluster_metrics(ctx.model, models, which, ctx.data.train, clients, ctx.data.task)
     return loss

@@ -56,6 +56,8 @@ import torch
 from flockfl.clientstate import ClientTable, chunks, joined
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import calibrate_bn, stat_names
+from flockfl.stages.base import Stage
+from flockfl.state import log_round
 
 
 def thesis_comm_bytes(params: int, pruned_share: float, rounds: int, clients_per_round: int) -> float:
@@ -69,8 +71,40 @@ def hamming(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a != b).float().mean()) if a.numel() else 0.0
 
 
-class Pruning:
+class Pruning(Stage):
     """The ``pruning`` section, bound to one run's model."""
+
+    name = "pruning"
+    paper = ("Vahidian et al., Personalized Federated Learning by Structured and Unstructured Pruning under Data "
+             "Heterogeneity (Sub-FedAvg, ICDCS-W 2021; thesis Chapter 4)")
+
+    @classmethod
+    def active(cls, cfg) -> bool:
+        return cfg.pruning.method != "none"
+
+    # ------------------------------------------------------------------ stage hooks
+    def on_spec(self, ctx, state, spec: LocalSpec, round: int) -> LocalSpec:
+        """Each client starts from its subnetwork and trains masked."""
+        return self.prepare_spec(state, spec, ctx.data.train.sizes)
+
+    def after_train(self, ctx, spec: LocalSpec, result):
+        """The client's own prune decision (Sub-FedAvg's ClientUpdate) is part of its local work."""
+        return self.client_update(ctx, spec, result)
+
+    def before_aggregate(self, algorithm, state, result, assign: np.ndarray):
+        return self.fill(algorithm, state, result, assign)
+
+    def after_aggregate(self, state, result) -> None:
+        log_round(state, **self.record(state, result))
+
+    def on_evaluate(self, prep, state, metrics: dict, round: int, tune: bool) -> dict:
+        """Every client with its own subnetwork, as downloaded and after local training."""
+        return self.evaluate(prep, state, metrics, round, tune)
+
+    def row(self, bytes_thesis: float, last: dict) -> dict:
+        return {"bytes_thesis": bytes_thesis, "comm_bytes_thesis": last.get("comm_bytes_thesis", 0.0) + bytes_thesis}
+
+    # ------------------------------------------------------------------ Sub-FedAvg
 
     def __init__(self, cfg, model: torch.nn.Module):
         self.cfg = cfg
@@ -200,7 +234,7 @@ class Pruning:
     def subnet_metrics(ctx, params: dict, clients: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Test loss, accuracy and sizes of each client's subnetwork (row i for ``clients[i]``),
         with BN statistics recomputed on the client's own training data (on a copy)."""
-        from flockfl.algorithms.base import own_model_metrics
+        from flockfl.evaluation import own_model_metrics
 
         params = {k: v.clone() for k, v in params.items()}
         calibrate_bn(ctx.model, params, ctx.data.train, clients)
@@ -298,7 +332,7 @@ class Pruning:
         """Each federating client with its own subnetwork (its model ⊙ its mask, with its own
         BN statistics): ``accuracy_pruned``; after ``train.finetune_epochs`` of masked local
         training: ``accuracy_pruned_finetuned``; and the sparsity reached."""
-        from flockfl.algorithms.base import own_model_metrics, summarise_clients
+        from flockfl.evaluation import own_model_metrics, summarise_clients
         from flockfl.engine import TRAINERS
         from flockfl.engine.functional import index_params
 

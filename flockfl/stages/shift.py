@@ -38,6 +38,8 @@ import torch
 
 from flockfl.engine.data import ClientData, Split
 from flockfl.rng import np_rng
+from flockfl.stages.base import Stage
+from flockfl.state import log_round
 
 KEY = "shift"
 
@@ -191,8 +193,6 @@ def _swaps(cfg, base: ClientData, sh: dict, pool: np.ndarray, round: int, seed: 
 def apply(ctx, algorithm, state, round: int):
     """The round's shift (after selection, before any clustering step): returns the new state,
     with ``clients_shifted`` in the round's log, and makes ``ctx.data`` its view."""
-    from flockfl.algorithms.base import log_round
-
     cfg = ctx.cfg
     if not active(cfg):
         return state
@@ -210,6 +210,26 @@ def apply(ctx, algorithm, state, round: int):
     log_round(state, clients_shifted=shifted)
     sync(ctx, state)
     return state
+
+
+class Shift(Stage):
+    """The ``shift`` section: the round's client-level distribution shift."""
+
+    name = "shift"
+    paper = "Duan et al., Flexible Clustered Federated Learning for Client-Level Data Distribution Shift (FlexCFL, TPDS 2022)"
+
+    @classmethod
+    def active(cls, cfg) -> bool:
+        return active(cfg)
+
+    def __init__(self, cfg, model=None):
+        self.cfg = cfg
+
+    def sync(self, ctx, state) -> None:
+        sync(ctx, state)
+
+    def after_select(self, ctx, algorithm, state, round: int):
+        return apply(ctx, algorithm, state, round)
 
 
 def union_check(base: ClientData, data: ClientData) -> bool:

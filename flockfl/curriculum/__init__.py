@@ -1,1 +1,0 @@
-"""Curricula for federated learning (thesis Chapter 2)."""

@@ -1,0 +1,94 @@
+"""Local training of a cohort, written once: split into shards (each one vectorised batch of
+clients), train each shard (retried), isolate the clients of a shard that still fails, drop
+those that fail alone, concatenate. The plain loop, the Prefect flow and the Dask executor
+differ only in the function that runs the shards (``shard_loop``'s ``run``)."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Optional, Sequence
+
+import numpy as np
+import torch
+
+from flockfl.context import RunContext
+from flockfl.engine import TRAINERS, LocalSpec, TrainResult
+from flockfl.engine.schedule import restrict
+from flockfl.stages.base import Stage
+
+
+class ClientFailure(RuntimeError):
+    """Local training of one or more clients failed."""
+
+
+def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
+    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients
+    (none for an empty cohort: under CC-FL a round can have no participants)."""
+    n = len(spec.clients)
+    if n == 0:
+        return []
+    if n <= shard_size:
+        return [spec]
+    return [restrict(spec, slice(a, min(n, a + shard_size))) for a in range(0, n, shard_size)]
+
+
+def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int, stages: Sequence[Stage] = ()) -> TrainResult:
+    """Train one shard; raise :class:`ClientFailure` if any client failed or diverged. The
+    stages' ``after_train`` (Sub-FedAvg's client-side pruning) is part of the shard's work."""
+    bad = sorted(set(int(c) for c in spec.clients) & set(ctx.cfg.train.simulate_failures))
+    if bad:
+        raise ClientFailure(f"simulated failure of clients {bad}")
+    result = TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
+    # a sum is non-finite iff some entry is (inf − inf gives nan): one read, no mask tensor
+    finite = torch.stack([torch.isfinite(v.reshape(len(result.clients), -1).sum(1)) for v in result.params.values()]).all(0)
+    if not bool(finite.all()):
+        raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
+    for st in stages:
+        result = st.after_train(ctx, spec, result)
+    return result
+
+
+def isolate_failures(ctx: RunContext, spec: LocalSpec, engine: str, round: int, stages: Sequence[Stage] = ()
+                     ) -> tuple[Optional[TrainResult], list[int]]:
+    """After a shard failed its retries: train its clients one by one, drop those that fail."""
+    parts, dropped = [], []
+    for one in split_spec(spec, 1):
+        try:
+            parts.append(train_shard(ctx, one, engine, round, stages))
+        except Exception:
+            dropped.append(int(one.clients[0]))
+    return (TrainResult.concat(parts) if parts else None), dropped
+
+
+def restrict_spec(spec: LocalSpec, clients: np.ndarray) -> LocalSpec:
+    """The spec of the clients that survived (their per-client rows follow them)."""
+    if len(clients) == len(spec.clients) and np.array_equal(clients, spec.clients):
+        return spec
+    pos = {int(c): i for i, c in enumerate(spec.clients)}
+    return restrict(spec, np.array([pos[int(c)] for c in clients], dtype=np.int64))
+
+
+def retrying(fn: Callable[[], TrainResult], retries: int) -> Optional[TrainResult]:
+    """``fn()``, tried ``retries + 1`` times; None when every try raised."""
+    for _ in range(retries + 1):
+        try:
+            return fn()
+        except Exception:
+            continue
+    return None
+
+
+def shard_loop(spec: LocalSpec, shard_size: int, run: Callable[[list[LocalSpec]], Iterable[Optional[TrainResult]]],
+               isolate: Callable[[LocalSpec], tuple[Optional[TrainResult], list[int]]]
+               ) -> tuple[Optional[TrainResult], list[int]]:
+    """The cohort's training: ``run(shards)`` gives each shard's result in shard order (None for
+    a shard that failed its retries), whose clients ``isolate`` then trains one by one. Returns
+    the concatenated result (None when no client trained) and the dropped clients."""
+    shards = split_spec(spec, shard_size)
+    parts, dropped = [], []
+    for shard, result in zip(shards, run(shards)):
+        if result is None:
+            result, lost = isolate(shard)
+            dropped += lost
+        if result is not None:
+            parts.append(result)
+    return (TrainResult.concat(parts) if parts else None), dropped
