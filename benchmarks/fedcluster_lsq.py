@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import argparse
 
-from flockfl.data.lsq import hetero_lsq, lsq_run, rel_error
-from flockfl.rounds import run_rounds
+from flockfl.data.lsq import hetero_lsq, lsq_config, rel_error
+from flockfl.experiments import validate
+from flockfl.rounds import prepare_data, run_rounds
+
+
+def lsq_run(algo: dict, data, train: dict):
+    return prepare_data(validate(lsq_config(algo, data.num_clients, train)), data)
 
 
 def main() -> None:

@@ -180,7 +180,7 @@ def _load(job: ShardJob) -> dict:
             return _CACHE[key]
         from flockfl import rounds
         from flockfl.experiments import validate
-        from flockfl.data.partition import load_partition, partition_path
+        from flockfl.data.store import load_partition, partition_path
 
         cfg = validate(job.config)
         path = partition_path(cfg, job.data_root)

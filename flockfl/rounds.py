@@ -21,6 +21,7 @@ from flockfl.clientstate import chunks, joined
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext, unseen_clients
 from flockfl.data import build_client_data, build_or_load, load_dataset
+from flockfl.engine.data import ClientData
 from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
 from flockfl.engine.functional import index_params
 from flockfl.errors import ConfigError
@@ -61,6 +62,14 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     ctx = RunContext(cfg, model, data, truth)
     return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads,
                        info={"heterogeneity": dict(part.info.get("heterogeneity") or {})}, stages=build_stages(cfg, model))
+
+
+def prepare_data(cfg: ExperimentConfig, data: ClientData, model: Optional[torch.nn.Module] = None) -> PreparedRun:
+    """A run on client data built elsewhere (a synthetic problem such as
+    ``flockfl.data.lsq.hetero_lsq``, a test's clients): no dataset, no partition store."""
+    model = model or build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden)
+    return PreparedRun(cfg, RunContext(cfg, model, data), build_algorithm(cfg), None, "", False, 1,
+                       stages=build_stages(cfg, model))
 
 
 def check_task(cfg: ExperimentConfig, ds) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from flockfl.errors import CheckpointError
+from flockfl.files import atomic_write
 from flockfl.clientstate import ClientTable, collect_garbage, flush_all, table_root, tables
 
 MAGIC = b"FLOCKFL-CKPT-1\n"
@@ -116,31 +117,6 @@ def _from_cpu(tree: Any, run_dir: Optional[Path], prefix: str = "") -> Any:
     if isinstance(tree, dict):
         return {k: _from_cpu(v, run_dir, f"{prefix}.{k}" if prefix else str(k)) for k, v in tree.items()}
     return tree
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: Path, data: bytes, round: int = -1) -> None:
-    from flockfl.faults import maybe_crash
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    maybe_crash("checkpoint_tmp", round)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def encode_state(state: ServerState) -> bytes:

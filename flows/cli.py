@@ -189,7 +189,7 @@ def _build_partition(cfg, partitions_root: str):
 def cmd_partition(args) -> dict:
     from flockfl.errors import ConfigError
     from flockfl.experiments import load_experiment, load_partition_config, load_params
-    from flockfl.data.partition import summary
+    from flockfl.data.store import summary
 
     params = load_params(args.params)
     if args.name in (params.get("partitions") or {}):

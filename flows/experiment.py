@@ -39,7 +39,7 @@ def read_run_file(run_dir: Path) -> dict:
 
 
 def write_run_file(run_dir: Path, info: dict) -> None:
-    from flockfl.state import atomic_write
+    from flockfl.files import atomic_write
 
     atomic_write(Path(run_dir) / RUN_FILE, json.dumps(info, indent=1, sort_keys=True).encode())
 

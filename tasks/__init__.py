@@ -20,9 +20,21 @@ from prefect.cache_policies import NO_CACHE
 from flockfl import rounds, training
 from flockfl.engine import LocalSpec, TrainResult
 from flockfl.faults import maybe_crash
+from flockfl.stages.curriculum import URI_LOADERS
 from flockfl.state import ServerState, load_latest, save_checkpoint
 
 _quiet = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+def _mlflow_params(uri: str) -> dict:
+    """A model's parameters from an MLflow model URI (curriculum.expert=models:/NAME/VERSION)."""
+    import mlflow.pytorch
+
+    net = mlflow.pytorch.load_model(uri, map_location="cpu")
+    return {n: p.detach() for n, p in net.named_parameters()}
+
+
+URI_LOADERS.update({"models:/": _mlflow_params, "runs:/": _mlflow_params})
 
 # Seconds spent inside task bodies, so the flow can report what orchestration itself costs
 # (round wall time minus time in the bodies).

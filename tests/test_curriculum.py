@@ -459,7 +459,7 @@ def test_algorithm_2_at_f1_deals_contiguous_blocks_in_loss_order():
 def test_algorithm_2_through_the_partition_config_on_digits(tmp_path):
     from flockfl.data import load_dataset
     from flockfl.data.difficulty import expert_losses
-    from flockfl.data.partition import make_partition
+    from flockfl.data.schemes import make_partition
 
     base = cfg_of()
     ds = load_dataset(base.dataset, base.seed, base.partition.num_clients)

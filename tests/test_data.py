@@ -16,7 +16,8 @@ from flockfl.experiments import validate
 from flockfl.data import build_client_data, build_or_load, load_dataset, make_partition
 from flockfl.data.clients import rotate_images
 from flockfl.data.datasets import read_idx
-from flockfl.data.partition import label_histogram, load_partition, partition_path
+from flockfl.data.partition import label_histogram
+from flockfl.data.store import load_partition, partition_path
 
 from conftest import tiny_config
 

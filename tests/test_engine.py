@@ -6,15 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.context import RunContext
-from flockfl.algorithms import build_algorithm
 from flockfl.experiments import validate
 from flockfl.engine.data import ClientData, Split
 from flockfl.engine import LocalSpec, choose_engine, train_cohort, train_reference
 from flockfl.engine.functional import stack
 from flockfl.engine.schedule import client_batches
 from flockfl.rng import np_rng, torch_generator
-from flockfl.rounds import PreparedRun, run_rounds
+from flockfl.rounds import PreparedRun, prepare_data, run_rounds
 from models import build_model, init_params
 
 from conftest import rel_err, tiny_config
@@ -157,8 +155,7 @@ def test_choose_engine_returns_a_trainer_and_timings():
 
 
 def _prepared(cfg, data) -> PreparedRun:
-    model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden)
-    return PreparedRun(cfg, RunContext(cfg, model, data), build_algorithm(cfg), None, "", False, 1)
+    return prepare_data(cfg, data)
 
 
 @pytest.mark.parametrize("algo", [

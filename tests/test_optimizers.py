@@ -7,12 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.context import RunContext
-from flockfl.algorithms import build_algorithm
 from flockfl.experiments import validate
 from flockfl.data.lsq import hetero_lsq, rel_error
 from flockfl.engine import TrainResult, train_cohort
-from flockfl.rounds import PreparedRun, prepare, run_rounds
+from flockfl.rounds import PreparedRun, prepare, prepare_data, run_rounds
 from flockfl.state import load_latest, save_checkpoint
 from models import build_model
 
@@ -27,8 +25,7 @@ def lsq_run(algo: dict, data, train: dict) -> PreparedRun:
     cfg = validate(tiny_config(dataset={"name": "synthetic_linreg"}, partition={"scheme": "natural", "num_clients": m},
                                model={"name": "linear"}, algorithm=algo,
                                train={"clients_per_round": m, "full_batch": True, "engine": "vectorized", **train}))
-    model = build_model("linear", data.input_shape, 1)
-    return PreparedRun(cfg, RunContext(cfg, model, data), build_algorithm(cfg), None, "", False, 1)
+    return prepare_data(cfg, data, build_model("linear", data.input_shape, 1))
 
 
 def drive(prep: PreparedRun, rounds: int, client_steps=None):

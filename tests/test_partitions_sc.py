@@ -15,19 +15,9 @@ from flockfl.experiments import validate
 from flockfl.data import build_client_data, load_dataset, make_partition
 from flockfl.data.datasets import Dataset
 from flockfl.data.heterogeneity import heterogeneity
-from flockfl.data.partition import (
-    Partition,
-    balanced_allocation,
-    clients_per_group,
-    labels_per_client,
-    largest_remainder,
-    load_partition,
-    resolved_num_clients,
-    save_partition,
-    split_test_like_train,
-    summary,
-    super_clusters,
-)
+from flockfl.data.partition import Partition, labels_per_client, largest_remainder, resolved_num_clients, split_test_like_train
+from flockfl.data.superclusters import balanced_allocation, clients_per_group, super_clusters
+from flockfl.data.store import load_partition, save_partition, summary
 from flockfl.rng import np_rng
 
 from conftest import tiny_config

@@ -209,10 +209,14 @@ def test_fedcluster_given_clusters_need_ground_truth_groups():
 def test_fedcluster_beats_fedavg_at_equal_device_work_on_heterogeneous_least_squares():
     """Spec §3.1 sanity 4: K clients a round either way; FedCluster(M=4) makes 4 updates of
     5 clients each and ends nearer x* (benchmarks/fedcluster_lsq.py prints the whole table)."""
-    from flockfl.data.lsq import hetero_lsq, lsq_run, rel_error
+    from flockfl.data.lsq import hetero_lsq, lsq_config, rel_error
+    from flockfl.rounds import prepare_data
 
     data, x_star, lam = hetero_lsq(m=20, seed=0)
     train = {"lr": 0.2 / lam, "local_epochs": 5, "rounds": 40}
-    fedavg = rel_error(run_rounds(lsq_run({"name": "fedavg"}, data, train)), x_star)
-    fedcluster = rel_error(run_rounds(lsq_run({"name": "fedcluster", "k": 4}, data, train)), x_star)
+
+    def error(algo):
+        return rel_error(run_rounds(prepare_data(validate(lsq_config(algo, 20, train)), data)), x_star)
+
+    fedavg, fedcluster = error({"name": "fedavg"}), error({"name": "fedcluster", "k": 4})
     assert fedcluster < 0.5 * fedavg, (fedcluster, fedavg)

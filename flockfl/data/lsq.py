@@ -25,21 +25,13 @@ def hetero_lsq(m: int = 10, d: int = 20, n: int = 50, seed: int = 0) -> tuple[Cl
     return ClientData(split, split, -np.ones(m, np.int64), "regression", 0, (d,)), x_star, float(lam_max)
 
 
-def lsq_run(algo: dict, data: ClientData, train: dict, seed: int = 0):
-    """A prepared run of ``algo`` on ``data`` (a linear model; every client each round unless
-    ``train.clients_per_round`` says otherwise; full-batch local steps unless overridden)."""
-    from flockfl.context import RunContext
-    from flockfl.algorithms import build_algorithm
-    from flockfl.experiments import validate
-    from flockfl.rounds import PreparedRun
-    from models import build_model
-
-    m = data.num_clients
-    cfg = validate({"seed": seed, "dataset": {"name": "synthetic_linreg"}, "partition": {"scheme": "natural", "num_clients": m},
-                    "model": {"name": "linear"}, "algorithm": algo, "tracking": {"enabled": False},
-                    "train": {"clients_per_round": m, "full_batch": True, "engine": "vectorized", **train}})
-    model = build_model("linear", data.input_shape, 1)
-    return PreparedRun(cfg, RunContext(cfg, model, data), build_algorithm(cfg), None, "", False, 1)
+def lsq_config(algo: dict, m: int, train: dict, seed: int = 0) -> dict:
+    """The raw config of a run of ``algo`` on ``m`` clients of :func:`hetero_lsq` (a linear
+    model; every client each round unless ``train.clients_per_round`` says otherwise;
+    full-batch local steps unless overridden); ``flockfl.rounds.prepare_data`` runs it."""
+    return {"seed": seed, "dataset": {"name": "synthetic_linreg"}, "partition": {"scheme": "natural", "num_clients": m},
+            "model": {"name": "linear"}, "algorithm": algo, "tracking": {"enabled": False},
+            "train": {"clients_per_round": m, "full_batch": True, "engine": "vectorized", **train}}
 
 
 def rel_error(state, x_star: np.ndarray) -> float:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -252,6 +252,11 @@ def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clien
     return loss
 
 
+# readers of model URIs by prefix ("models:/", "runs:/"): the tracking layer (tasks/tracking.py)
+# registers MLflow's, so the library itself never imports MLflow
+URI_LOADERS: dict[str, Callable[[str], dict[str, torch.Tensor]]] = {}
+
+
 def load_expert(source: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """θ_E from an MLflow model URI (``models:/``, ``runs:/``), a flockfl checkpoint or a
     ``.pt`` parameter dict; a one-line error when it cannot be read or does not fit."""
@@ -261,12 +266,13 @@ def load_expert(source: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     if source == "global":
         raise ConfigError("curriculum.expert: s_E needs an expert model; set curriculum.expert to an MLflow model URI "
                           "(models:/NAME/VERSION) or a .pt file, or use scoring=s_G")
+    scheme = next((s for s in URI_LOADERS if source.startswith(s)), None)
+    if source.startswith(("models:/", "runs:/")) and scheme is None:
+        raise ConfigError(f"curriculum.expert: {source!r} is an MLflow model URI, which flock run reads (tasks.tracking "
+                          "registers the loader); run through flock, or give a .pt file")
     try:
-        if source.startswith(("models:/", "runs:/")):
-            import mlflow.pytorch
-
-            net = mlflow.pytorch.load_model(source, map_location="cpu")
-            params = {n: p.detach() for n, p in net.named_parameters()}
+        if scheme is not None:
+            params = URI_LOADERS[scheme](source)
         else:
             path = Path(source)
             raw = path.read_bytes()

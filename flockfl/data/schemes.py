@@ -1,0 +1,81 @@
+"""The partition schemes by name (``partition.scheme``), the server's hold-out and
+:func:`make_partition`, which runs the configured scheme."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flockfl.config import ExperimentConfig
+from flockfl.data.datasets import Dataset
+from flockfl.data.partition import (Partition, largest_remainder, partition_dirichlet, partition_hash, partition_iid,
+                                    partition_label_swap, partition_natural, partition_rotated, partition_shards,
+                                    partition_shards_pct)
+from flockfl.data.superclusters import partition_mix, partition_sc_dir, partition_sc_niid
+from flockfl.errors import ConfigError
+from flockfl.rng import np_rng
+
+SCHEMES = {
+    "iid": partition_iid,
+    "dirichlet": partition_dirichlet,
+    "shards": partition_shards,
+    "rotated": partition_rotated,
+    "label_swap": partition_label_swap,
+    "natural": partition_natural,
+    "shards_pct": partition_shards_pct,
+    "sc_niid": partition_sc_niid,
+    "sc_dir": partition_sc_dir,
+    "mix": partition_mix,
+}
+
+
+# ---------------------------------------------------------------------- server hold-out
+
+
+def server_holdout_indices(ds: Dataset, h: int, seed: int) -> np.ndarray:
+    """h training samples for the server (FLIS's auxiliary data), stratified by class: class c
+    gives h·n_c/n of them (largest remainder), drawn at random from the (seed, "server_holdout")
+    stream; returned in random order, so that any prefix is a random subset too."""
+    n = len(ds.y_train)
+    if h >= n:
+        raise ConfigError(f"partition.server_holdout: {h} server samples but only {n} training samples; "
+                          f"hold out fewer than {n}")
+    rng = np_rng(seed, purpose="server_holdout")
+    if ds.task != "classification":
+        return rng.choice(n, size=h, replace=False).astype(np.int64)
+    classes, sizes = np.unique(ds.y_train, return_counts=True)
+    take = largest_remainder(sizes, h)
+    held = np.concatenate([rng.choice(np.flatnonzero(ds.y_train == c), size=t, replace=False) for c, t in zip(classes, take)])
+    return rng.permutation(held).astype(np.int64)
+
+
+def _train_subset(ds: Dataset, keep: np.ndarray) -> Dataset:
+    """The dataset with only the training samples ``keep`` (test data unchanged)."""
+    sub = lambda a: None if a is None else a[keep]  # noqa: E731
+    return dataclasses.replace(ds, x_train=ds.x_train[keep], y_train=ds.y_train[keep],
+                               client_train=sub(ds.client_train), source_train=sub(ds.source_train))
+
+
+def make_partition(ds: Dataset, cfg: ExperimentConfig) -> Partition:
+    """Run the configured scheme, after holding out ``partition.server_holdout`` training samples
+    for the server (unset counts as 0 here: the config resolves it from the algorithm)."""
+    h = cfg.partition.server_holdout or 0
+    scheme = SCHEMES[cfg.partition.scheme]
+    if h > 0:
+        held = server_holdout_indices(ds, h, cfg.seed)
+        keep = np.setdiff1d(np.arange(len(ds.y_train)), held)
+        part = scheme(_train_subset(ds, keep), cfg.partition, cfg.seed)
+        part.train_idx = [keep[i].astype(np.int64) for i in part.train_idx]
+        part.server_idx = held
+    else:
+        part = scheme(ds, cfg.partition, cfg.seed)
+    if cfg.partition.difficulty_fraction is not None:  # Algorithm 2: same class counts, controlled difficulty
+        from flockfl.data import difficulty
+
+        if ds.task != "classification":
+            raise ConfigError("partition.difficulty_fraction: Algorithm 2 keeps class counts; the data has no classes")
+        difficulty.apply(part, ds, cfg, cfg.seed)
+    part.key = cfg.partition_key()
+    part.content_hash = partition_hash(part, ds)
+    return part
