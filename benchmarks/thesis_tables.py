@@ -142,7 +142,7 @@ def unseen(args) -> None:
 def heterogeneity(args) -> None:
     """Table 5.3's measures (mean pairwise EMD and Eq. 3.1/3.2 angles) for three partitions."""
     from flockfl.experiments import load_experiment
-    from flows.cli import _build_partition
+    from flockfl.data.store import build_partition
     from flockfl.data.heterogeneity import heterogeneity as measure
 
     thesis = {"IID": (0.042, 0.072, 0.16), "C-NIID(2)": (0.17, 0.202, 0.28), "SC-NIID(2)": (0.29, 0.274, 0.338)}
@@ -153,7 +153,7 @@ def heterogeneity(args) -> None:
     print("|---|---|---|---|---|")
     for name, over in parts.items():
         cfg = load_experiment("configs/thesis_base.yaml", FMNIST + over + args.overrides, args.params)
-        ds, part, _, _ = _build_partition(cfg, "data/partitions")
+        ds, part, _, _ = build_partition(cfg, "data/partitions")
         h = measure(ds, part)
         print(f"| {name} | {h['emd']:.3f} | {h['angle_eq31']:.2f} | {h['angle_eq32']:.2f} | "
               f"{' / '.join(str(v) for v in thesis[name])} |")

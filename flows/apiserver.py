@@ -31,28 +31,13 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from flows.env import tie_to_parent
+
 _server: Optional["ApiServer"] = None
 
 
 class ApiServerError(RuntimeError):
     """The per-process Prefect API did not start; the message is one line."""
-
-
-def _tie_to_parent(parent: int):
-    """preexec_fn: SIGTERM this child when the parent dies (Linux); exit if it already died."""
-
-    def tie() -> None:
-        try:
-            import ctypes
-
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except OSError:  # not Linux: atexit still stops it on a normal exit
-            return
-        if os.getppid() != parent:  # the parent died between fork and prctl
-            os._exit(1)
-
-    return tie
 
 
 def healthy(api_url: str, timeout: float = 2.0) -> bool:
@@ -75,7 +60,7 @@ def _free_port() -> int:
 class ApiServer:
     """One ephemeral Prefect API server process, tied to this process."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, home: Optional[Path] = None):
         spec = importlib.util.find_spec("prefect")  # found, not imported (importing costs ~2 s)
         if spec is None or not spec.submodule_search_locations:
             raise ApiServerError("Prefect is not installed; reinstall flockfl (./run test sets it up)")
@@ -85,6 +70,7 @@ class ApiServer:
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
         self.ready = False
+        self._db_lock = _first_start_lock(home or log_dir.parent)
         self._spawn()
 
     @property
@@ -100,7 +86,7 @@ class ApiServer:
                "--log-level", "error", "--lifespan", "on"]
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         preexec_fn=_tie_to_parent(os.getpid()))
+                                         preexec_fn=tie_to_parent(os.getpid()))
 
     def wait(self, timeout: float = 60.0) -> None:
         """Block until the API answers its health check (it started while we were importing)."""
@@ -119,6 +105,9 @@ class ApiServer:
                                      f"its log is {self.log_path}")
             if healthy(self.api_url):
                 self.ready = True
+                if self._db_lock is not None:  # the database is migrated: the others may start now
+                    self._db_lock.close()
+                    self._db_lock = None
                 return
             time.sleep(0.05)
         raise ApiServerError(f"Prefect's API server did not answer within {timeout:.0f} s; its log is {self.log_path}")
@@ -133,6 +122,36 @@ class ApiServer:
                 self.proc.wait()
         if self.proc and self.proc.returncode in (0, -signal.SIGTERM):
             self.log_path.unlink(missing_ok=True)  # nothing to read after a clean stop
+
+
+def _database(home: Path) -> Optional[Path]:
+    """The SQLite file of Prefect's database (None for another database)."""
+    url = os.environ.get("PREFECT_API_DATABASE_CONNECTION_URL") or os.environ.get("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    if not url:
+        return home / "prefect.db"
+    if url.startswith("sqlite") and ":///" in url:
+        return Path(url.split(":///", 1)[1]).expanduser()
+    return None
+
+
+def _first_start_lock(home: Path):
+    """Several ``flock run``s started together on a new Prefect home: each server would create
+    and migrate the same SQLite database at once ("database is locked", alembic errors). Every
+    start takes an exclusive lock beside the database; a start that finds the database already
+    there lets go at once, the first one keeps the lock until its server answers (migrated).
+    Returns the held lock file, or None."""
+    import fcntl
+
+    db = _database(home)
+    if db is None:
+        return None
+    db.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(db.parent / f".{db.name}.flockfl-lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if db.exists() and db.stat().st_size > 0:
+        lock.close()
+        return None
+    return lock
 
 
 def configured_api_url() -> Optional[str]:
@@ -172,7 +191,7 @@ def start(home: Optional[str] = None) -> Optional[ApiServer]:
     if configured_api_url():
         return None
     home_dir = Path(home or os.environ.get("PREFECT_HOME") or Path.cwd() / ".prefect")
-    _server = ApiServer(home_dir / "logs")
+    _server = ApiServer(home_dir / "logs", home_dir)
     atexit.register(_server.stop)
     os.environ["PREFECT_API_URL"] = _server.api_url
     # the ephemeral server never checks a client's version against its own: same package

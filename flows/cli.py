@@ -22,10 +22,6 @@ from flows.env import configure_environment
 EXIT_USAGE = 2
 
 
-if __name__ == "__main__":  # `python -m flows.cli`: one module (a plugin's `import flows.cli` gets this one)
-    sys.modules.setdefault("flows.cli", sys.modules[__name__])
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flock", description="Clustered and personalised federated learning pipelines.")
     p.add_argument("--verbose", action="store_true", help="show Prefect's logs")
@@ -64,15 +60,12 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("--json", action="store_true")
     lst.add_argument("--markdown", action="store_true", help="the algorithm table of README.md")
     # commands that live in their own modules: each module's add_parser(sub) registers its
-    # subcommand(s) and sets ``handler`` (args -> int exit code); modules stay light at import
-    import importlib
+    # subcommand(s) and sets ``handler`` (args -> int exit code); the modules stay light at import
+    from flows import report, schedule, server, sweep
 
-    for mod in PLUGIN_COMMANDS:
-        importlib.import_module(mod).add_parser(sub)
+    for mod in (sweep, report, schedule, server):
+        mod.add_parser(sub)
     return p
-
-
-PLUGIN_COMMANDS = ("flows.sweep", "flows.report", "flows.schedule")
 
 
 def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
@@ -92,7 +85,7 @@ def cmd_run(args) -> dict:
     from flockfl.experiments import load_experiment
     from flockfl.state import list_checkpoints
 
-    from flows.experiment import read_run_file
+    from flows.rundir import read_run_file, run_identity
 
     cfg = load_experiment(args.config, args.overrides, args.params)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -109,19 +102,18 @@ def cmd_run(args) -> dict:
     return _execute(cfg, run_dir, args, fresh=not list_checkpoints(run_dir))
 
 
-def run_identity(config: dict | None) -> dict | None:
-    """What makes two configs the same run: everything but ``executor`` (where the shards train
-    never changes results, so a run started locally may continue on a Dask cluster)."""
-    return None if config is None else {k: v for k, v in config.items() if k != "executor"}
+def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
+    from flows.experiment import execute
+
+    return execute(cfg, run_dir, tracking_uri=args.tracking_uri, partitions_root=args.partitions, fresh=fresh,
+                   progress=not args.no_progress, metrics_file=getattr(args, "metrics_file", None))
 
 
 def cmd_resume(args) -> dict:
     from flockfl.experiments import validate
-    from flows.experiment import read_run_file
+    from flows.rundir import find_run_dir, read_run_file
 
-    run_dir = Path(args.run)
-    if not (run_dir / "run.json").exists():
-        run_dir = _run_dir_from_mlflow(args.run, args.tracking_uri)
+    run_dir = find_run_dir(args.run, args.tracking_uri)
     info = read_run_file(run_dir)
     if "config" not in info:
         raise UserError(f"{run_dir}/run.json has no config; it was not written by flock run")
@@ -132,64 +124,10 @@ def cmd_resume(args) -> dict:
     return _execute(cfg, run_dir, args, fresh=False)
 
 
-def _run_dir_from_mlflow(run_id: str, uri: str | None) -> Path:
-    from tasks.tracking import resolve_tracking_uri
-
-    if not all(c in "0123456789abcdef" for c in run_id.lower()) or len(run_id) < 16:
-        raise UserError(f"{run_id!r} is neither a run directory (with run.json) nor an MLflow run id")
-    from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
-
-    try:
-        run = MlflowClient(resolve_tracking_uri(uri, None)).get_run(run_id)
-    except MlflowException:
-        raise UserError(f"MLflow run {run_id} not found in {resolve_tracking_uri(uri, None)}; pass --tracking-uri") from None
-    d = run.data.tags.get("flockfl.run_dir")
-    if not d or not (Path(d) / "run.json").exists():
-        raise UserError(f"MLflow run {run_id} has no flockfl run directory on this machine ({d or 'no tag'})")
-    return Path(d)
-
-
-def _execute(cfg, run_dir: Path, args, fresh: bool, parent_run_id: str | None = None, run_tags: dict | None = None,
-             run_name: str | None = None) -> dict:
-    from flows.experiment import read_run_file, run_experiment, write_run_file
-    from tasks.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(args.tracking_uri, cfg.tracking.uri)
-    info = read_run_file(run_dir)
-    if fresh or "config" not in info:
-        _build_partition(cfg, args.partitions)  # before Prefect starts: data errors are one line
-        run_dir.mkdir(parents=True, exist_ok=True)
-        info.update({"config": cfg.model_dump(), "tracking_uri": uri, "partitions_root": str(Path(args.partitions).resolve()),
-                     "metrics_file": getattr(args, "metrics_file", None), "created": dt.datetime.now().isoformat()})
-        write_run_file(run_dir, info)
-    summary = run_experiment(cfg, run_dir, info.get("partitions_root", args.partitions), uri,
-                             progress=not args.no_progress, parent_run_id=parent_run_id, run_tags=run_tags,
-                             run_name=run_name)
-    if info.get("metrics_file") or getattr(args, "metrics_file", None):
-        path = Path(info.get("metrics_file") or args.metrics_file)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"rounds": summary["rounds"], **summary["metrics"],
-                                    "round_s_median": summary["round_s_median"]}, indent=1, sort_keys=True))
-    summary["tracking_uri"] = uri
-    return summary
-
-
-def _build_partition(cfg, partitions_root: str):
-    """Load the data and build (or find) the partition: (dataset, partition, path, cached).
-
-    ``flock run`` calls it before Prefect starts, so that a missing dataset or an impossible
-    partition is one line, not a failed flow; the flow's partition task then loads the file."""
-    from flockfl.data import build_or_load, load_dataset
-
-    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
-    return (ds, *build_or_load(ds, cfg, partitions_root))
-
-
 def cmd_partition(args) -> dict:
     from flockfl.errors import ConfigError
     from flockfl.experiments import load_experiment, load_partition_config, load_params
-    from flockfl.data.store import summary
+    from flockfl.data.store import build_partition, summary
 
     params = load_params(args.params)
     if args.name in (params.get("partitions") or {}):
@@ -205,7 +143,7 @@ def cmd_partition(args) -> dict:
         except ConfigError as err:
             known = ", ".join(sorted(params.get("partitions") or {})) or "none"
             raise ConfigError(f"{err} (partitions: {known})") from None
-    ds, part, path, cached = _build_partition(cfg, args.out)
+    ds, part, path, cached = build_partition(cfg, args.out)
     s = summary(part, ds)
     return {"partition": str(path), "cached": cached, "content_hash": part.content_hash,
             "num_clients": s["num_clients"], "size_stats": s["size_stats"], "label_skew_tv": s.get("label_skew_tv")}
@@ -221,7 +159,10 @@ def cmd_ui(args) -> None:
            "--workers", str(args.workers)]
     env = {**os.environ}
     env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    print(f"MLflow UI on http://127.0.0.1:{args.port} (store {uri}); Ctrl-C to stop", flush=True)
+    from tasks.tracking import ui_url
+
+    # the link opens MLflow 3's training view (runs and charts), not its GenAI (traces) view
+    print(f"MLflow UI on {ui_url(f'http://127.0.0.1:{args.port}')} (store {uri}); Ctrl-C to stop", flush=True)
     try:
         subprocess.run(cmd, check=False, env=env)
     except KeyboardInterrupt:
@@ -276,7 +217,9 @@ def _print_summary(s: dict) -> None:
         print(f"  {'dropped'.ljust(width)}  {s['clients_dropped']} client trainings failed and were dropped")
     for w in s.get("checkpoint_warnings", []):
         print(f"  warning: {w}")
-    print(f"Browse it: flock ui --tracking-uri {s.get('tracking_uri')}  (then open http://127.0.0.1:5000)")
+    from tasks.tracking import ui_url
+
+    print(f"Browse it: flock ui --tracking-uri {s.get('tracking_uri')}  (then open {ui_url('http://127.0.0.1:5000')})")
 
 
 def _print_algorithm(d: dict) -> None:

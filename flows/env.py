@@ -7,6 +7,7 @@ default: anything the user already exported wins.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 DEFAULTS = {
@@ -51,3 +52,25 @@ def configure_environment(verbose: bool = False, home: str | Path | None = None)
 
     warnings.filterwarnings("ignore", message=".*local version label.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="mlflow")
+
+
+def tie_to_parent(parent: int | None = None):
+    """A ``preexec_fn`` for a child process (a Prefect server): the kernel sends it SIGTERM when
+    this process dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG), so nothing is left behind;
+    with ``parent`` given, the child exits at once if that parent already died. None off Linux
+    (atexit still stops the child on a normal exit)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def tie() -> None:  # pragma: no cover - runs in the child between fork and exec
+        import ctypes
+        import signal
+
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            return
+        if parent is not None and os.getppid() != parent:  # the parent died between fork and prctl
+            os._exit(1)
+
+    return tie

@@ -1,7 +1,5 @@
-"""``flock server`` and ``flock schedule``: a persistent Prefect server, and experiments on a cron.
-
-``flock server`` starts ``prefect server start`` on 127.0.0.1 with the UI and the services a
-schedule needs (the per-process ephemeral API that ``flock run`` uses has them off).
+"""``flock schedule``: experiments on a cron, on the Prefect server ``flock server`` starts
+(:mod:`flows.server`).
 
 ``flock schedule EXPERIMENT --cron …`` registers a deployment of :data:`scheduled_experiment`
 and serves it in the foreground with a Prefect ``Runner`` (what ``flow.serve`` does), so each
@@ -20,23 +18,15 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
+from flockfl.errors import UserError
 from flows.apiserver import healthy
 
 FLOW_NAME = "flockfl-scheduled"
 TAG = "flockfl"
 STAMP = "%Y%m%dT%H%M%S"
-
-
-def _user_error(msg: str) -> Exception:
-    """``flows.cli.UserError``: one line, exit 2 (``python -m flows.cli`` registers itself as
-    ``flows.cli``, so this is the class the running CLI catches)."""
-    from flockfl.errors import UserError
-
-    return UserError(msg)
 
 
 # ---------------------------------------------------------------------- the scheduled flow
@@ -57,7 +47,7 @@ def resume_or_start(root: Path) -> tuple[Path, bool]:
     not finish (a run cut off by a crash, a reboot or Ctrl-C), else a new timestamped one."""
     from flockfl.state import list_checkpoints
 
-    from flows.experiment import read_run_file
+    from flows.rundir import read_run_file
 
     last = latest_run_dir(root)
     if last is not None and list_checkpoints(last) and not read_run_file(last).get("finished"):
@@ -73,16 +63,15 @@ def run_scheduled(experiment: str, overrides: Optional[list[str]] = None, params
                   tracking_uri: Optional[str] = None, partitions_root: str = "data/partitions",
                   runs_root: str = "runs/scheduled", config_digest: Optional[str] = None, log=print) -> dict:
     """One scheduled run: resolve the config, then resume the last cut-off run of it or start
-    a new one, through ``flock run``'s own path (``flows.cli._execute``). Returns its summary
+    a new one, through ``flock run``'s own path (``flows.experiment.execute``). Returns its summary
     plus ``scheduled_action`` (``resumed``, ``started`` or ``skipped``) and ``run_dir``."""
-    import argparse
     import fcntl
 
     from flockfl.experiments import load_experiment
     from flockfl.state import list_checkpoints
 
-    from flows.cli import _execute
-    from flows.experiment import read_run_file
+    from flows.experiment import execute
+    from flows.rundir import read_run_file
 
     cfg = load_experiment(experiment, overrides or [], params)
     if config_digest and cfg.digest() != config_digest:
@@ -106,9 +95,7 @@ def run_scheduled(experiment: str, overrides: Optional[list[str]] = None, params
             log(f"resuming the unfinished run of {cfg.name} in {run_dir} "
                 f"({n} checkpoint(s), created {info.get('created', '?')})")
             tracking_uri = tracking_uri or info.get("tracking_uri")
-        args = argparse.Namespace(tracking_uri=tracking_uri, partitions=partitions_root, no_progress=True,
-                                  metrics_file=None)
-        summary = _execute(cfg, run_dir, args, fresh=fresh)
+        summary = execute(cfg, run_dir, tracking_uri=tracking_uri, partitions_root=partitions_root, fresh=fresh, progress=False)
         summary.update(scheduled_action="started" if fresh else "resumed", run_dir=str(run_dir))
         resumed = f" (resumed from round {summary['resumed_from_round']})" if not fresh else ""
         log(f"{cfg.name}: {summary['rounds']} rounds done in {run_dir}{resumed}; "
@@ -158,136 +145,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ---------------------------------------------------------------------- flock server
-
-
-def server_env(port: int) -> dict:
-    """The environment of ``prefect server start``: flockfl's defaults turn the UI and the
-    server's services off (right for the ephemeral API of one ``flock run``); a server that
-    keeps schedules needs them on. Its UI talks to its own API, whatever PREFECT_API_URL says."""
-    from flows.env import DEFAULTS
-
-    env = dict(os.environ)
-    for key in DEFAULTS:
-        if key.startswith("PREFECT_SERVER_SERVICES_") and key.endswith("_ENABLED"):
-            env[key] = "true"
-    env.pop("PREFECT_UI_ENABLED", None)  # the legacy alias flows.env sets
-    url = f"http://127.0.0.1:{port}"
-    env.update({"PREFECT_SERVER_UI_ENABLED": "true", "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
-                "PREFECT_SERVER_UI_API_URL": f"{url}/api", "PREFECT_UI_API_URL": f"{url}/api", "PREFECT_API_URL": f"{url}/api",
-                "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)})
-    return env
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
-def cmd_server(args) -> int:
-    import signal
-    import subprocess
-
-    port = args.port
-    if not 0 < port < 65536:
-        raise _user_error(f"--port {port}: not a TCP port; pick one in 1-65535")
-    if not _port_free(port):
-        raise _user_error(f"port {port} on 127.0.0.1 is in use (a server already running?); pick another with --port")
-    url = f"http://127.0.0.1:{port}"
-    home = os.environ.get("PREFECT_HOME", "~/.prefect")
-    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=server_env(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
-    early, ready = _relay(proc)
-
-    stop = {"by": "Ctrl-C"}
-
-    def _term(signum, frame):  # `kill` of flock stops the server too
-        stop["by"] = "SIGTERM"
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, _term)
-    try:
-        t0 = time.monotonic()
-        while not healthy(f"{url}/api", timeout=1.0):
-            if proc.poll() is not None:
-                last = next((ln for ln in reversed(early) if ln.strip()), "no output")
-                raise _user_error(f"the Prefect server exited during start-up (code {proc.returncode}): {last.strip()}")
-            if time.monotonic() - t0 > 180:
-                raise _user_error(f"the Prefect server did not answer at {url}/api/health within 180 s")
-            time.sleep(0.3)
-        print(f"Prefect server ready in {time.monotonic() - t0:.0f}s (database in {home}); Ctrl-C stops it.\n"
-              f"  UI:  {url}\n"
-              f"  API: {url}/api\n"
-              f"In the shell that runs flock schedule (or flock run, to see its runs in the UI):\n"
-              f"  export PREFECT_API_URL={url}/api", flush=True)
-        ready.set()
-        return proc.wait()
-    except KeyboardInterrupt:
-        # a terminal's Ctrl-C reached the server too (same process group): give it time to stop
-        _stop(proc, first_wait=10 if stop["by"] == "Ctrl-C" else 0)
-        print(f"flock: Prefect server stopped ({stop['by']})", file=sys.stderr)
-        return 0
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        _stop(proc, first_wait=0)
-
-
-def _relay(proc):
-    """Read the server's output: kept until it is ready (its banner suggests ``prefect config
-    set``; flock prints what to export instead, and the kept lines explain a failed start),
-    passed on to stderr afterwards (warnings, errors)."""
-    import collections
-    import threading
-
-    early: collections.deque = collections.deque(maxlen=200)
-    ready = threading.Event()
-
-    def pump():
-        for line in proc.stdout:
-            if ready.is_set():
-                sys.stderr.write(line)
-                sys.stderr.flush()
-            else:
-                early.append(line)
-
-    threading.Thread(target=pump, name="prefect-server-output", daemon=True).start()
-    return early, ready
-
-
-def _stop(proc, first_wait: float) -> None:
-    """Stop the server process: wait, then SIGTERM (uvicorn shuts down cleanly), then SIGKILL."""
-    import subprocess
-
-    for action, wait in ((None, first_wait), (proc.terminate, 15), (proc.kill, 10)):
-        if proc.poll() is not None:
-            return
-        if action:
-            action()
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
-
-
 # ---------------------------------------------------------------------- flock schedule
 
 
@@ -296,10 +153,10 @@ def _api_url() -> str:
 
     url = (PREFECT_API_URL.value() or "").rstrip("/")
     if not url:
-        raise _user_error("flock schedule needs a Prefect server: start one with `flock server` and "
+        raise UserError("flock schedule needs a Prefect server: start one with `flock server` and "
                           "export PREFECT_API_URL=http://127.0.0.1:4200/api")
     if not healthy(url, timeout=5):
-        raise _user_error(f"no Prefect server answers at PREFECT_API_URL={url}; start one with `flock server` "
+        raise UserError(f"no Prefect server answers at PREFECT_API_URL={url}; start one with `flock server` "
                           f"(or fix PREFECT_API_URL)")
     return url
 
@@ -347,7 +204,7 @@ def cron_schedule(cron: str, timezone: Optional[str]):
         return CronSchedule(cron=cron, timezone=timezone)
     except ValidationError as err:
         msg = err.errors()[0].get("msg", str(err)).removeprefix("Value error, ")
-        raise _user_error(f"--cron {cron!r} / --timezone {timezone!r}: {msg}; "
+        raise UserError(f"--cron {cron!r} / --timezone {timezone!r}: {msg}; "
                           f"e.g. --cron '0 3 * * *' (03:00 every day)") from None
 
 
@@ -414,7 +271,7 @@ def cmd_delete(name: str, api_url: str) -> int:
         match = [d for d in deps if d.name == name]
         if not match:
             known = ", ".join(sorted(d.name for d in deps)) or "none"
-            raise _user_error(f"no flockfl schedule named {name!r} on {api_url} (known: {known}); see flock schedule --list")
+            raise UserError(f"no flockfl schedule named {name!r} on {api_url} (known: {known}); see flock schedule --list")
         for d in match:
             client.delete_deployment(d.id)
     print(f"deleted schedule {name} (its future runs too; past runs stay in the UI)")
@@ -434,14 +291,14 @@ def _log_to_ui() -> None:
 def cmd_schedule(args) -> int:
     _log_to_ui()  # before Prefect is imported (tasks.tracking imports it)
     if args.list and args.delete:
-        raise _user_error("--list and --delete go alone; use one of them")
+        raise UserError("--list and --delete go alone; use one of them")
     if args.list or args.delete:
         if args.experiment:
-            raise _user_error(f"--{'list' if args.list else 'delete'} takes no EXPERIMENT (got {args.experiment!r})")
+            raise UserError(f"--{'list' if args.list else 'delete'} takes no EXPERIMENT (got {args.experiment!r})")
         api = _api_url()
         return cmd_list(api) if args.list else cmd_delete(args.delete, api)
     if not args.experiment or not args.cron:
-        raise _user_error("flock schedule needs EXPERIMENT and --cron, e.g. flock schedule demo --cron '0 3 * * *' "
+        raise UserError("flock schedule needs EXPERIMENT and --cron, e.g. flock schedule demo --cron '0 3 * * *' "
                           "(or --list / --delete NAME)")
 
     from flockfl.experiments import load_experiment
@@ -508,11 +365,6 @@ def serve(name: str, sched, parameters: dict, api: str, cfg) -> int:
 
 
 def add_parser(sub) -> None:
-    srv = sub.add_parser("server", help="start a Prefect server with its UI on 127.0.0.1 "
-                                        "(for flock schedule, and to browse runs in the Prefect UI)")
-    srv.add_argument("--port", type=int, default=4200)
-    srv.set_defaults(handler=cmd_server)
-
     sch = sub.add_parser("schedule", help="run an experiment on a cron schedule (served here, shown in the Prefect UI); "
                                           "--list / --delete NAME manage schedules",
                          description="Registers a deployment of the experiment on the Prefect server at PREFECT_API_URL "

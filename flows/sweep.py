@@ -11,7 +11,6 @@ uninterrupted run), the rest start.
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import hashlib
 import itertools
@@ -163,8 +162,9 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
               experiment: Optional[str] = None, register_models: bool = False, progress: bool = False,
               log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> SweepResult:
     """Run (or continue) every child of ``plan`` in this process; see the module docstring."""
-    from flows.cli import _build_partition, _execute
-    from flows.experiment import read_run_file
+    from flockfl.data.store import build_partition
+    from flows.experiment import execute
+    from flows.rundir import read_run_file
     from flockfl.state import list_checkpoints
     from tasks.tracking import Tracker, resolve_tracking_uri
 
@@ -186,7 +186,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
         child.cfg = child.cfg.model_copy(update={"tracking": child.cfg.tracking.model_copy(update={
             "experiment": experiment, "register_model": register_models and child.cfg.tracking.register_model})})
     for child in plan.children:  # data errors are one line, before anything runs
-        _build_partition(child.cfg, partitions_root)
+        build_partition(child.cfg, partitions_root)
     sweep_dir.mkdir(parents=True, exist_ok=True)
 
     tracked = base.tracking.enabled
@@ -227,16 +227,16 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     else:
         log(f"sweep: {len(plan.children)} runs in {sweep_dir}" + (f", MLflow parent run {parent.run_id}" if parent else ""))
 
-    ns = argparse.Namespace(tracking_uri=uri, partitions=partitions_root, no_progress=not progress, metrics_file=None)
     tags = {"flockfl.sweep.dir": str(sweep_dir.resolve())}
 
     def run_child(child: Child) -> None:
         t = time.perf_counter()
         try:
             fresh = not list_checkpoints(child.run_dir)
-            child.summary = _execute(child.cfg, child.run_dir, ns, fresh, parent_run_id=parent.run_id if parent else None,
-                                     run_tags={**tags, "flockfl.sweep.combo": child.label, "flockfl.seed": str(child.seed)},
-                                     run_name=f"{base.name} {child.key}")
+            child.summary = execute(child.cfg, child.run_dir, tracking_uri=uri, partitions_root=partitions_root, fresh=fresh,
+                                    progress=progress, parent_run_id=parent.run_id if parent else None,
+                                    run_tags={**tags, "flockfl.sweep.combo": child.label, "flockfl.seed": str(child.seed)},
+                                    run_name=f"{base.name} {child.key}")
             child.summary["sweep_wall_s"] = time.perf_counter() - t  # the run as the sweep saw it, set-up included
             child.status, child.error = "finished", None
             m = child.summary["metrics"]
@@ -341,7 +341,7 @@ def aggregate(plan: Plan) -> dict[str, dict]:
 
 def sweep_table(plan: Plan) -> str:
     """Markdown: one row per combination, mean ± std over its seeds (columns any run has)."""
-    from flows.report import markdown_table
+    from flows.render import markdown_table
 
     agg = aggregate(plan)
     cols = [c for c in COLUMNS if any(row["metrics"][c[1]]["n"] for row in agg.values())]

@@ -89,7 +89,7 @@ def test_panels_share_one_scale_and_curves_use_cluster_colours(monkeypatch, tmp_
 
 
 def test_combination_mean_and_band_are_over_seeds():
-    from flows.report import RunSummary, _series, combination_stats, combination_table
+    from flows.render import RunSummary, _series, combination_stats, combination_table
 
     def run(name, group, acc, comm):
         return RunSummary(run_id=name * 4, name=name, status="FINISHED", group=group, seed=name[-1],
@@ -121,7 +121,7 @@ def study(tmp_path_factory):
     as children, made by the real Prefect flow into a SQLite store in a temp folder."""
     from mlflow.tracking import MlflowClient
 
-    from flockfl.config import validate
+    from flockfl.experiments import validate
     from flows.experiment import run_experiment
     from tasks.tracking import Tracker
 
@@ -264,6 +264,8 @@ def _look(url: str, name: str, tmp: Path) -> tuple[Path, str]:
 @pytest.mark.slow
 @needs_chromium
 def test_mlflow_ui_shows_the_run_and_its_report(study, parent_report, tmp_path):
+    from tasks.tracking import ui_url
+
     res, _ = parent_report
     assert res.returncode == 0, res.stderr
     port = free_port()
@@ -286,6 +288,15 @@ def test_mlflow_ui_shows_the_run_and_its_report(study, parent_report, tmp_path):
             assert time.monotonic() < deadline, "MLflow UI did not answer /health in 120 s"
             time.sleep(0.5)
         exp, parent = study["experiment_id"], study["parent"]
+        # (0) the experiment as flockfl links it opens on its training runs, not on MLflow 3's
+        # GenAI view (an overview of traces, token usage and cost, judges). The experiment was
+        # made without flockfl (the fixture); reusing it tagged it as a training experiment
+        assert study["client"].get_experiment(exp).tags.get("mlflow.experimentKind") == "custom_model_development"
+        _, dom = _look(ui_url(base, exp), "experiment_page", tmp_path)
+        assert f"<title>Runs - Experiment {exp} - MLflow</title>" in dom, dom[:2000]  # not "Overview - ..."
+        assert "study-parent" in dom and "matching run" in dom  # the runs table, with the parent run
+        for genai in ("Token Usage", "Tokens per Trace", "Detect Issues", "Judges"):
+            assert genai not in dom, genai
         # (a) the parent run's page in the single-page app
         _, dom = _look(f"{base}/#/experiments/{exp}/runs/{parent}", "run_page", tmp_path)
         assert "study-parent" in dom and parent in dom

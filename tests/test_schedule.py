@@ -47,7 +47,7 @@ def test_scheduled_run_resumes_a_cut_off_run_then_starts_anew(tmp_path):
 
     from flockfl.experiments import load_experiment
 
-    from flows.experiment import read_run_file
+    from flows.rundir import read_run_file
     from flows.schedule import run_scheduled, schedule_root, scheduled_experiment
 
     d = project(tmp_path)

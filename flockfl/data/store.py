@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from flockfl.config import ExperimentConfig
-from flockfl.data.datasets import Dataset
+from flockfl.data.datasets import Dataset, load_dataset
 from flockfl.data.partition import FORMAT_VERSION, Partition, key_hash, partition_hash
 from flockfl.data.schemes import make_partition
 from flockfl.errors import ConfigError
@@ -133,3 +133,11 @@ def build_or_load(ds: Dataset, cfg: ExperimentConfig, root: str | Path = "data/p
     p = make_partition(ds, cfg)
     save_partition(p, ds, path)
     return p, path, False
+
+
+def build_partition(cfg: ExperimentConfig, root: str | Path = "data/partitions") -> tuple[Dataset, Partition, Path, bool]:
+    """Load the data and build (or find) the partition: (dataset, partition, path, cached).
+    ``flock run`` calls it before Prefect starts, so that a missing dataset or an impossible
+    partition is one line, not a failed flow; the flow's partition task then loads the file."""
+    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
+    return (ds, *build_or_load(ds, cfg, root))
