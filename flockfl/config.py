@@ -19,9 +19,6 @@ from typing import Any, Literal, Optional
 from flockfl.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-DATASETS = ("digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix", "synthetic_fedprox")
-SCHEMES = ("iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural", "sc_niid", "sc_dir", "mix")
-MODELS = ("mclr", "mlp", "lenet5", "linear", "lenet5_bn", "cnn_bn")
 
 
 class _Section(BaseModel):
@@ -213,41 +210,6 @@ class PruningConfig(_Section):
     acc_gate: Literal["after_mask", "before_training"] = Field(
         "after_mask", description="when the accuracy gate is measured: on the masked model after training (the "
                                   "authors' code) or on the received model before training (Algorithm 10)")
-
-
-STAGES = {"curriculum": CurriculumConfig, "pruning": PruningConfig}
-STAGE_PAPERS = {
-    "curriculum": "Vahidian et al., When Do Curricula Work in Federated Learning? (ICCV 2023; thesis Chapter 2)",
-    "pruning": "Vahidian et al., Personalized Federated Learning by Structured and Unstructured Pruning under Data "
-               "Heterogeneity (Sub-FedAvg, ICDCS-W 2021; thesis Chapter 4)",
-}
-
-
-def describe_stage(name: str) -> dict:
-    """What ``flock list curriculum|pruning`` shows: the paper and every key with its default,
-    allowed values and meaning (from the pydantic declarations above)."""
-    import typing
-
-    rows = []
-    for key, f in STAGES[name].model_fields.items():
-        ann = f.annotation
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        lits = typing.get_args(args[0]) if args and typing.get_origin(args[0]) is Literal else typing.get_args(ann)
-        if typing.get_origin(ann) is Literal or (args and typing.get_origin(args[0]) is Literal):
-            allowed = "one of " + ", ".join(map(str, lits))
-        elif ann is bool:
-            allowed = "true or false"
-        else:
-            bounds = {type(m).__name__: getattr(m, type(m).__name__.lower()) for m in f.metadata if type(m).__name__ in ("Ge", "Gt", "Le", "Lt")}
-            lo = f"{bounds['Ge']} ≤ " if "Ge" in bounds else f"{bounds['Gt']} < " if "Gt" in bounds else ""
-            hi = f" ≤ {bounds['Le']}" if "Le" in bounds else f" < {bounds['Lt']}" if "Lt" in bounds else ""
-            allowed = f"{lo}x{hi}" if (lo or hi) else ("a string" if ann is str else "a number")
-        if type(None) in typing.get_args(ann):
-            allowed += ", or null"
-        rows.append({"key": f"{name}.{key}", "default": f.default, "allowed": allowed, "symbol": "",
-                     "meaning": f.description or ""})
-    return {"name": name, "paper": STAGE_PAPERS[name], "stages": [f"composes with every algorithm ({name})"],
-            "hyperparameters": rows}
 
 
 class TrackingConfig(_Section):

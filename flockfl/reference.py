@@ -171,6 +171,20 @@ def config_table() -> str:
     return "\n".join(lines)
 
 
+def describe_stage(name: str) -> dict:
+    """What ``flock list curriculum|pruning|shift`` shows: the stage's paper and every key of its
+    config section with its default, allowed values and meaning."""
+    from flockfl.config import ExperimentConfig
+    from flockfl.stages import STAGES
+
+    stage = {cls.name: cls for cls in STAGES}[name]
+    cls = ExperimentConfig.model_fields[name].annotation
+    comments = _field_comments(cls)
+    rows = [{"key": f"{name}.{key}", "default": f.default, "allowed": _type_text(f.annotation, f.metadata).replace("`", ""),
+             "symbol": "", "meaning": f.description or comments.get(key, "")} for key, f in cls.model_fields.items()]
+    return {"name": name, "paper": stage.paper, "stages": [f"composes with every algorithm ({name})"], "hyperparameters": rows}
+
+
 def algorithm_table() -> str:
     """docs/algorithms.md's table (the same as ``flock list --markdown``)."""
     from flockfl.algorithms import algorithm_table as table

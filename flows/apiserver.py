@@ -27,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -70,8 +71,11 @@ class ApiServer:
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
         self.ready = False
-        self._db_lock = _first_start_lock(home or log_dir.parent)
+        lock = _first_start_lock(home or log_dir.parent)
         self._spawn()
+        if lock is not None:  # the first server of a new home: let go once it answers (migrated)
+            threading.Thread(target=self._release_when_ready, args=(lock,), daemon=True,
+                             name="flockfl-prefect-db-lock").start()
 
     @property
     def api_url(self) -> str:
@@ -87,6 +91,16 @@ class ApiServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                          preexec_fn=tie_to_parent(os.getpid()))
+
+    def _release_when_ready(self, lock, timeout: float = 120.0) -> None:
+        """Hold ``lock`` until this server answers, exits or ``timeout`` passes (whatever this
+        process does meanwhile: it may never wait for its API, e.g. after a config error)."""
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline and self.proc.poll() is None and not healthy(self.api_url, timeout=1.0):
+                time.sleep(0.05)
+        finally:
+            lock.close()
 
     def wait(self, timeout: float = 60.0) -> None:
         """Block until the API answers its health check (it started while we were importing)."""
@@ -105,9 +119,6 @@ class ApiServer:
                                      f"its log is {self.log_path}")
             if healthy(self.api_url):
                 self.ready = True
-                if self._db_lock is not None:  # the database is migrated: the others may start now
-                    self._db_lock.close()
-                    self._db_lock = None
                 return
             time.sleep(0.05)
         raise ApiServerError(f"Prefect's API server did not answer within {timeout:.0f} s; its log is {self.log_path}")

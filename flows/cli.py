@@ -171,17 +171,20 @@ def cmd_ui(args) -> None:
 
 def cmd_list(args) -> dict:
     from flockfl.algorithms import ALGORITHMS, describe
-    from flockfl.config import DATASETS, MODELS, SCHEMES
+    from flockfl.data.datasets import LOADERS
+    from flockfl.data.schemes import SCHEMES
     from flockfl.experiments import load_params
+    from flockfl.reference import describe_stage
+    from flockfl.stages import STAGES
+    from models import MODELS
 
-    from flockfl.config import STAGES, describe_stage
-
+    stages = [cls.name for cls in STAGES]
     if args.algorithm:
-        if args.algorithm in STAGES:
+        if args.algorithm in stages:
             return describe_stage(args.algorithm)
         if args.algorithm not in ALGORITHMS:
             raise UserError(f"unknown algorithm or stage {args.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}, "
-                            f"or a stage: {', '.join(STAGES)}")
+                            f"or a stage: {', '.join(stages)}")
         return describe(args.algorithm)
 
     params = load_params(args.params)
@@ -189,10 +192,10 @@ def cmd_list(args) -> dict:
         "experiments": sorted(params.get("experiments") or {}),
         "partitions": sorted(params.get("partitions") or {}),
         "algorithms": sorted(ALGORITHMS),
-        "datasets": list(DATASETS),
+        "datasets": list(LOADERS),
         "schemes": list(SCHEMES),
         "models": list(MODELS),
-        "stages": list(STAGES),
+        "stages": stages,
     }
 
 

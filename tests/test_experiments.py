@@ -32,3 +32,34 @@ def test_text_keys_come_from_the_declarations():
 def test_a_text_key_given_a_wrong_word_is_one_line(workdir):
     with pytest.raises(ConfigError, match=r"train.eval_finetune.*'final', 'every' or 'off'.*got 'no'"):
         load_experiment("fedavg_rotated_digits", ["train.eval_finetune=no"], workdir / "params.yaml")
+
+
+def test_the_schema_names_what_the_registries_hold():
+    """config.py (the bottom layer) spells the dataset, scheme and model names out as Literals;
+    they are exactly the registries' keys."""
+    import typing
+
+    from flockfl.config import DatasetConfig, ModelConfig, PartitionConfig
+    from flockfl.data.datasets import LOADERS
+    from flockfl.data.schemes import SCHEMES
+    from models import MODELS
+
+    def names(section, key):
+        return set(typing.get_args(section.model_fields[key].annotation))
+
+    assert names(DatasetConfig, "name") == set(LOADERS)
+    assert names(PartitionConfig, "scheme") == set(SCHEMES)
+    assert names(ModelConfig, "name") == set(MODELS)
+    assert names(PartitionConfig, "difficulty_model") == set(MODELS) - {"linear"}
+
+
+@pytest.mark.parametrize("stage", ["curriculum", "pruning", "shift"])
+def test_flock_list_describes_every_stage(stage, capsys):
+    from flows.cli import main
+
+    assert main(["list", stage, "--json"]) == 0
+    import json
+
+    d = json.loads(capsys.readouterr().out)
+    assert d["paper"] and d["hyperparameters"] and all(h["key"].startswith(f"{stage}.") for h in d["hyperparameters"])
+    assert any(h["allowed"] for h in d["hyperparameters"])

@@ -316,15 +316,17 @@ def load_mix(cfg: DatasetConfig, seed: int) -> Dataset:
     )
 
 
+# the registry of ``dataset.name`` (the schema's list is checked against it by the tests)
+LOADERS: dict[str, Callable[[DatasetConfig, int, Optional[int]], Dataset]] = {
+    "digits": lambda cfg, seed, n: load_digits(cfg, seed),
+    "fashion_mnist": lambda cfg, seed, n: load_idx_dataset(cfg, seed),
+    "mnist": lambda cfg, seed, n: load_idx_dataset(cfg, seed),
+    "npz": lambda cfg, seed, n: load_npz(cfg, seed),
+    "synthetic_linreg": make_synthetic_linreg,
+    "mix": lambda cfg, seed, n: load_mix(cfg, seed),
+    "synthetic_fedprox": make_synthetic_fedprox,
+}
+
+
 def load_dataset(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Dataset:
-    if cfg.name == "mix":
-        return load_mix(cfg, seed)
-    if cfg.name == "digits":
-        return load_digits(cfg, seed)
-    if cfg.name in ("fashion_mnist", "mnist"):
-        return load_idx_dataset(cfg, seed)
-    if cfg.name == "npz":
-        return load_npz(cfg, seed)
-    if cfg.name == "synthetic_fedprox":
-        return make_synthetic_fedprox(cfg, seed, num_clients)
-    return make_synthetic_linreg(cfg, seed, num_clients)
+    return LOADERS[cfg.name](cfg, seed, num_clients)
