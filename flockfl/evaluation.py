@@ -3,6 +3,7 @@ round driver measure clients with these functions."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
@@ -14,6 +15,7 @@ from flockfl.engine.functional import losses_under_models, segment_mean
 
 if TYPE_CHECKING:
     from flockfl.context import RunContext
+    from flockfl.state import ServerState
 
 
 def client_model_losses(model: nn.Module, models: dict[str, torch.Tensor], split, clients: np.ndarray, task: str
@@ -129,3 +131,26 @@ def min_dist(models: dict[str, torch.Tensor], theta: np.ndarray) -> float:
     w = next(iter(models.values())).reshape(next(iter(models.values())).shape[0], -1).double().cpu()
     t = torch.as_tensor(theta, dtype=torch.float64)
     return float(torch.cdist(w, t).min(1).values.mean())
+
+
+def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, Any]:
+    """The first evaluated round whose mean accuracy reaches ``target``, and its sim_time."""
+    if target is None:
+        return {}
+    hit = next((h for h in history if h.get("accuracy", -1.0) >= target), None)
+    return {"target_accuracy": target, "rounds_to_target": hit["round"] if hit else None,
+            "sim_time_to_target": hit["sim_time"] if hit else None}
+
+
+def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
+    """Final metrics, the median round time leaving out the first round, and time to target."""
+    last = state.history[-1] if state.history else {}
+    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_finetuned", "accuracy_finetuned_min",
+            "accuracy_finetuned_p10", "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10",
+            "unseen_accuracy_untuned", "ari", "nmi", "num_clusters", "min_dist", "sim_time", "accuracy_pruned",
+            "accuracy_pruned_min", "accuracy_pruned_finetuned", "sparsity", "channel_sparsity", "comm_bytes",
+            "comm_bytes_thesis")
+    metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
+    times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
+    return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan"),
+            **time_to_target(state.history, target)}

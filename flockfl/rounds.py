@@ -7,7 +7,6 @@ calls them as tasks. Both produce bit-identical states for the same config.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +27,7 @@ from flockfl.errors import ConfigError
 from flockfl.evaluation import own_model_metrics, summarise_clients
 from flockfl.faults import maybe_crash
 from flockfl.stages import build_stages
-from flockfl.state import ServerState
+from flockfl.state import ServerState, on_device
 from flockfl.training import isolate_failures, restrict_spec, retrying, shard_loop, split_spec, train_shard
 from models import build_model
 
@@ -326,32 +325,6 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     return finish_round(prep, state, work, metrics, time.perf_counter() - t0)
 
 
-def on_device(state: ServerState, device: torch.device, keys: tuple[str, ...] = ()) -> ServerState:
-    """The state with its tensors where a straight run keeps them. A checkpoint holds CPU
-    tensors; a run resumed on a GPU moves back to the device its models, every dict in
-    ``state.algo`` keyed by parameter names (server moments, control variates, past models:
-    tensors built from the models) and the tensors under the top-level ``keys`` of
-    ``state.algo`` (``Algorithm.device_state_keys``). Other algorithm tensors (labels,
-    matrices, client tables) stay as loaded. For a state already in place nothing changes."""
-    names = set(state.models)
-
-    def place(tree, whole=False):
-        if isinstance(tree, torch.Tensor) and whole:
-            return tree.to(device)
-        if isinstance(tree, dict):
-            if whole:
-                return {k: place(v, True) for k, v in tree.items()}
-            if tree and set(tree) <= names and all(isinstance(v, torch.Tensor) for v in tree.values()):
-                return {k: v.to(device) for k, v in tree.items()}
-            return {k: place(v) for k, v in tree.items()}
-        return tree
-
-    if all(v.device == device for v in state.models.values()) and device.type == "cpu":
-        return state  # a CPU run: checkpoints restore it as it was
-    algo = {k: place(v, k in keys) for k, v in state.algo.items()}
-    return state.replace(models={k: v.to(device) for k, v in state.models.items()}, algo=algo)
-
-
 def needs_pre_federation(prep: PreparedRun, state: ServerState) -> bool:
     return prep.algorithm.has_pre_federation() and "pre_federation" not in state.meta
 
@@ -385,26 +358,3 @@ def run_round(prep: PreparedRun, state: ServerState, round: int) -> tuple[Server
 def run_rounds(prep: PreparedRun, state: Optional[ServerState] = None, until: Optional[int] = None,
                on_round: Optional[Callable[[ServerState, dict], None]] = None) -> ServerState:
     return drive(prep, state, PLAIN, until, on_round=on_round)
-
-
-def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, Any]:
-    """The first evaluated round whose mean accuracy reaches ``target``, and its sim_time."""
-    if target is None:
-        return {}
-    hit = next((h for h in history if h.get("accuracy", -1.0) >= target), None)
-    return {"target_accuracy": target, "rounds_to_target": hit["round"] if hit else None,
-            "sim_time_to_target": hit["sim_time"] if hit else None}
-
-
-def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
-    """Final metrics, the median round time leaving out the first round, and time to target."""
-    last = state.history[-1] if state.history else {}
-    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_finetuned", "accuracy_finetuned_min",
-            "accuracy_finetuned_p10", "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10",
-            "unseen_accuracy_untuned", "ari", "nmi", "num_clusters", "min_dist", "sim_time", "accuracy_pruned",
-            "accuracy_pruned_min", "accuracy_pruned_finetuned", "sparsity", "channel_sparsity", "comm_bytes",
-            "comm_bytes_thesis")
-    metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
-    times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
-    return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan"),
-            **time_to_target(state.history, target)}

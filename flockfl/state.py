@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,3 +201,29 @@ def log_round(state: ServerState, **counts: float) -> None:
     for k, v in counts.items():
         log[k] = log.get(k, 0) + v
     state.meta = {**state.meta, "round_log": log}  # new dicts: earlier states sharing meta are untouched
+
+
+def on_device(state: ServerState, device: torch.device, keys: tuple[str, ...] = ()) -> ServerState:
+    """The state with its tensors where a straight run keeps them. A checkpoint holds CPU
+    tensors; a run resumed on a GPU moves back to the device its models, every dict in
+    ``state.algo`` keyed by parameter names (server moments, control variates, past models:
+    tensors built from the models) and the tensors under the top-level ``keys`` of
+    ``state.algo`` (``Algorithm.device_state_keys``). Other algorithm tensors (labels,
+    matrices, client tables) stay as loaded. For a state already in place nothing changes."""
+    names = set(state.models)
+
+    def place(tree, whole=False):
+        if isinstance(tree, torch.Tensor) and whole:
+            return tree.to(device)
+        if isinstance(tree, dict):
+            if whole:
+                return {k: place(v, True) for k, v in tree.items()}
+            if tree and set(tree) <= names and all(isinstance(v, torch.Tensor) for v in tree.values()):
+                return {k: v.to(device) for k, v in tree.items()}
+            return {k: place(v) for k, v in tree.items()}
+        return tree
+
+    if all(v.device == device for v in state.models.values()) and device.type == "cpu":
+        return state  # a CPU run: checkpoints restore it as it was
+    algo = {k: place(v, k in keys) for k, v in state.algo.items()}
+    return state.replace(models={k: v.to(device) for k, v in state.models.items()}, algo=algo)

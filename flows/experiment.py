@@ -24,6 +24,7 @@ import tasks
 from flockfl import rounds, training
 from flockfl.config import ExperimentConfig
 from flockfl.engine import TrainResult
+from flockfl.evaluation import summarise
 from flockfl.experiments import validate
 from flockfl.state import ServerState
 from flows.dask import DaskTraining, dask_cluster, dask_stage, shared_prefect_api
@@ -293,7 +294,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         raise
     if tracker:
         tracker.finish("FINISHED")
-    summary = rounds.summarise(state, cfg.train.target_accuracy)
+    summary = summarise(state, cfg.train.target_accuracy)
     timed = periods[1:] or periods
     return {
         "run_id": tracker.run_id if tracker else None,

@@ -16,7 +16,8 @@ from flockfl.experiments import validate
 from flockfl.engine import LocalSpec, TrainResult, train_cohort, train_reference
 from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator
-from flockfl.rounds import prepare, run_rounds, summarise
+from flockfl.rounds import prepare, run_rounds
+from flockfl.evaluation import summarise
 from flockfl.stages.pruning import Pruning, hamming, magnitude_masks, thesis_comm_bytes
 from models import build_model, init_params
 
