@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("algorithm", nargs="?", metavar="ALGORITHM")
     lst.add_argument("--params", default="params.yaml")
     lst.add_argument("--json", action="store_true")
-    lst.add_argument("--markdown", action="store_true", help="the algorithm table of README.md")
+    lst.add_argument("--markdown", action="store_true", help="the algorithm table of docs/algorithms.md")
     # commands that live in their own modules: each module's add_parser(sub) registers its
     # subcommand(s) and sets ``handler`` (args -> int exit code); the modules stay light at import
     from flows import report, schedule, server, sweep
