@@ -111,17 +111,20 @@ def _check_registered(cfg: ExperimentConfig) -> None:
     check_natural_only(cfg.dataset.name, part.scheme)
 
 
+def read_mapping(path: Path, what: str) -> dict[str, Any]:
+    """A YAML file that must hold a mapping (``what`` says of what); a one-line error otherwise."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping {what}")
+    return data
+
+
 def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     p = Path(path)
-    if not p.exists():
-        return {}
-    try:
-        data = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"{p}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p}: expected a mapping with 'partitions' and 'experiments'")
-    return data
+    return read_mapping(p, "with 'partitions' and 'experiments'") if p.exists() else {}
 
 
 def resolve_partition_ref(raw: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -148,12 +151,7 @@ def load_experiment(
         raw = copy.deepcopy(experiments[name_or_path]) or {}
         raw.setdefault("name", name_or_path)
     elif path.suffix in (".yaml", ".yml", ".json") and path.exists():
-        try:
-            raw = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]}); fix the file") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: expected a mapping of config sections")
+        raw = read_mapping(path, "of config sections")
         raw.setdefault("name", path.stem)
     else:
         known = ", ".join(sorted(experiments)) or "none"
