@@ -25,6 +25,12 @@ def round_spec(t: TrainConfig, clients: np.ndarray, init: dict[str, torch.Tensor
     return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch, **extra)
 
 
+def finetune_epochs(t: TrainConfig) -> int:
+    """Local epochs of the "after local training" evaluation and of newcomers' fine-tuning
+    (``train.finetune_epochs``, by default ``train.local_epochs``)."""
+    return t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
+
+
 def pass_spec(t: TrainConfig, clients: np.ndarray, init: dict[str, torch.Tensor], epochs: int, *,
               steps: Optional[int] = None, stream: str, **extra) -> LocalSpec:
     """A pass of plain local SGD outside a round's training (``epochs`` epochs, or ``steps``

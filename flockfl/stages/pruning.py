@@ -53,6 +53,7 @@ import math
 import numpy as np
 import torch
 
+from flockfl.client import finetune_epochs, pass_spec
 from flockfl.clientstate import ClientTable, chunks, joined
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import calibrate_bn, stat_names
@@ -345,9 +346,7 @@ class Pruning(Stage):
             params = apply_masks(index_params(state.models, torch.from_numpy(assign_all[seen]).to(device)), masks)
             plain.append(self.subnet_metrics(ctx, params, seen))
             if finetune:
-                epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
-                spec = LocalSpec(seen, params, t.lr, epochs, None, t.batch_size, t.full_batch, masks=masks,
-                                 stream="finetune", momentum=t.momentum)
+                spec = pass_spec(t, seen, params, finetune_epochs(t), stream="finetune", masks=masks, momentum=t.momentum)
                 res = TRAINERS[state.meta.get("engine", "vectorized")](ctx.model, spec, ctx.data.train, ctx.data.task,
                                                                        ctx.seed, round)
                 tuned.append(own_model_metrics(ctx.model, res.params, ctx.data.test, seen, ctx.data.task))
