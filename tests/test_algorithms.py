@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from flockfl.algorithms.ifca import IFCA, assign_by_min_loss, cluster_losses
+from flockfl.algorithms.ifca import IFCA
+from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
 from flockfl.experiments import validate
 from flockfl.engine import LocalSpec, TrainResult, train_reference
 from flockfl.rounds import prepare, run_round, run_rounds

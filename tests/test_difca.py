@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err, tiny_config
 
-from flockfl.algorithms.difca import (DIFCA, confidence_scores, gossip, pick_tokens, reference_gossip,
-                                      reference_threshold)
+from flockfl.algorithms.difca import DIFCA, gossip
+from flockfl.algorithms.model_choice import confidence_scores
+from flockfl.clustering.gossip import pick_tokens, reference_gossip, reference_threshold
 from flockfl.algorithms.ifca import IFCA
 from flockfl.errors import ConfigError
 from flockfl.experiments import validate

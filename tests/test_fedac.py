@@ -10,8 +10,9 @@ import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, rel_err, tiny_config
 from sklearn.metrics import adjusted_rand_score
 
-from flockfl.algorithms.fedac import (e_step, gc_ratios, lrcos, m_step, pca_map, project, split_layout, tune_clusters,
-                                      two_means_cosine)
+from flockfl.algorithms.layout import split_layout
+from flockfl.clustering.lrcos import (e_step, gc_ratios, lrcos, m_step, pca_map, project, tune_clusters,
+                                     two_means_cosine)
 from flockfl.errors import ConfigError
 from flockfl.experiments import validate
 from flockfl.rounds import prepare, run_rounds

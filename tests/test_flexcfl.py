@@ -11,13 +11,13 @@ import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, label_group_npz, tiny_config
 
 from flockfl.algorithms import Algorithm
-from flockfl.algorithms.fesem import nearest_centers
-from flockfl.algorithms.flexcfl import (
+from flockfl.clustering import (
     edc_embedding,
     eq8_assign,
     inter_group,
     kmeans_partition,
     madc_matrix,
+    nearest_centers,
     shift_detected,
     w1_labels,
     w1_sorted_counts,

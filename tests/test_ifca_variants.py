@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import assert_resume_bit_identical, assert_trainers_agree, tiny_config
 
-from flockfl.algorithms.ifca import parameter_names, shared_parameters
+from flockfl.algorithms.layout import parameter_names, shared_parameters
 from flockfl.errors import ConfigError
 from flockfl.config import DatasetConfig, deep_merge
 from flockfl.experiments import validate
@@ -220,7 +220,7 @@ def test_oneshot_least_squares_is_the_closed_form(tmp_path):
     cfg = linreg_cfg(algorithm={"name": "ifca_oneshot", "k": 2}, partition={"num_clients": 4},
                      train={"clients_per_round": 4, "rounds": 1})
     prep = prepare(cfg, tmp_path)
-    from flockfl.algorithms.ifca import least_squares
+    from flockfl.algorithms.ifca_oneshot import least_squares
 
     theta = least_squares(prep.ctx, np.arange(4))["1.weight"]
     for c in range(4):

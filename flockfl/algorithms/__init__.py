@@ -18,7 +18,8 @@ from flockfl.algorithms.fedac import FedAC
 from flockfl.algorithms.fedcluster import FedCluster
 from flockfl.algorithms.fesem import FeSEM
 from flockfl.algorithms.flexcfl import FlexCFL
-from flockfl.algorithms.ifca import IFCA, IFCAOneShot
+from flockfl.algorithms.ifca import IFCA
+from flockfl.algorithms.ifca_oneshot import IFCAOneShot
 from flockfl.algorithms.local import Local
 from flockfl.algorithms.pacfl import PACFL
 from flockfl.algorithms.hyper import declared
@@ -38,9 +39,13 @@ def build_algorithm(cfg) -> Algorithm:
 HOOKS = ("pre_federation", "select", "cycles_per_round", "shift_pool", "before_training", "model_of", "local_spec", "cluster", "aggregate", "eval_assignment", "evaluate", "admit_newcomers")
 
 
+# the smaller hooks a stage's default calls: overriding one of them changes the stage
+PARTS = {"evaluate": ("evaluate", "personal", "own_models", "cluster_metrics")}
+
+
 def overridden_stages(cls: type[Algorithm]) -> list[str]:
     """The hooks this algorithm defines itself (anywhere below the FedAvg base)."""
-    return [h for h in HOOKS if getattr(cls, h) is not getattr(Algorithm, h)]
+    return [h for h in HOOKS if any(getattr(cls, m) is not getattr(Algorithm, m) for m in PARTS.get(h, (h,)))]
 
 
 def describe(name: str) -> dict:

@@ -8,7 +8,9 @@ An algorithm is a class with pure hooks over (state, inputs):
   schedule knobs, anything the later hooks need in ``meta``);
 - ``cluster(state, ctx, spec, result)`` → the cluster of each trained client;
 - ``aggregate(state, ctx, spec, result, assign)`` → the new ``ServerState``;
-- ``evaluate(state, ctx)`` → per-client and summary metrics.
+- ``evaluate(state, ctx)`` → per-client and summary metrics; a method whose clients keep their
+  own models (``personal``) overrides ``own_models`` (also where fine-tuning starts) and, for
+  its per-cluster metrics, ``cluster_metrics``, instead of the whole method.
 
 A subclass overrides only what differs from FedAvg. Hooks never touch files, Prefect or
 MLflow; the flow (``flows/experiment.py``) calls them through thin tasks.
@@ -24,13 +26,14 @@ import torch
 from flockfl.aggregation import mean_weights, rows, weighted_mean
 from flockfl.algorithms.hyper import Hyper, declared, weighting
 from flockfl.client import pass_spec, round_spec
+from flockfl.clientstate import chunks, joined
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext
 from flockfl.engine import TRAINERS
 from flockfl.engine.functional import index_params, num_params, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
-from flockfl.evaluation import evaluate_models
+from flockfl.evaluation import cluster_breakdown, evaluate_models, own_model_metrics, summarise_clients
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
 from models import init_params
@@ -177,13 +180,47 @@ class Algorithm:
         return state.replace(models=models, assignments=assignments)
 
     # ------------------------------------------------------------------ evaluation
+    # True: every client is measured with its own model (``own_models``: FedAC's ω_i, DIFCA's
+    # reference copies) instead of the model ``eval_assignment`` gives it
+    personal = False
+    # fine-tuning runs with train.momentum (FedAC's never has)
+    finetune_momentum = True
+
     def eval_assignment(self, state: ServerState, ctx: RunContext) -> np.ndarray:
         """The model each client uses at evaluation (the single global model by default)."""
         return np.zeros(ctx.num_clients, np.int64)
 
+    def own_models(self, state: ServerState, ctx: RunContext, clients: np.ndarray, assign: np.ndarray
+                   ) -> dict[str, torch.Tensor]:
+        """Stacked parameters, row i those of ``clients[i]`` when it is assigned model ``assign[i]``:
+        where its fine-tuning starts, and what a ``personal`` evaluation measures. The assigned
+        model by default."""
+        assign = np.asarray(assign, np.int64)
+        if (assign < 0).any():  # index -1 would silently pick the last model
+            raise ValueError(f"{self.name}.finetune: clients {np.asarray(clients)[assign < 0].tolist()} have no model; "
+                             "an algorithm with unassigned clients must override own_models")
+        return index_params(state.models, torch.from_numpy(assign))
+
     def evaluate(self, state: ServerState, ctx: RunContext) -> dict[str, Any]:
-        """Per-client metrics of the clients that federate, each with its own model."""
-        return evaluate_models(state.models, self.eval_assignment(state, ctx), ctx, ctx.seen)
+        """Per-client metrics of the clients that federate, each with its own model: the one
+        ``eval_assignment`` gives it, or (``personal``) its ``own_models`` row, 256 clients at a time."""
+        assign = self.eval_assignment(state, ctx)
+        if not self.personal:
+            return evaluate_models(state.models, assign, ctx, ctx.seen)
+        clients, task = ctx.seen, ctx.data.task
+        c_loss, c_acc, n = joined([own_model_metrics(ctx.model, self.own_models(state, ctx, part, assign[part]),
+                                                     ctx.data.test, part, task) for part in chunks(clients, 256)])
+        out: dict[str, Any] = summarise_clients(c_loss, c_acc, n, task)
+        out.update(self.cluster_metrics(state, ctx, clients, assign[clients], c_loss, c_acc, n))
+        out["_client_accuracy"] = c_acc if task == "classification" else None
+        out["_client_loss"] = c_loss
+        out["_assignment"] = assign
+        return out
+
+    def cluster_metrics(self, state: ServerState, ctx: RunContext, clients: np.ndarray, mine: np.ndarray,
+                        c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray) -> dict[str, Any]:
+        """A personal evaluation's per-cluster part: counts, accuracy (loss), ARI/NMI."""
+        return cluster_breakdown(ctx, clients, mine, c_loss, c_acc, n, state.k)
 
     def admit_newcomers(self, state: ServerState, ctx: RunContext, newcomers: np.ndarray
                         ) -> tuple[ServerState, np.ndarray, str]:
@@ -194,15 +231,12 @@ class Algorithm:
     def finetune(self, state: ServerState, ctx: RunContext, clients: np.ndarray, assign: np.ndarray, round: int,
                  engine: str, stream: str) -> TrainResult:
         """``train.finetune_epochs`` epochs of plain local SGD for each listed client, from
-        the model it is assigned (the thesis's "after its last local training" convention)."""
+        its ``own_models`` row (the thesis's "after its last local training" convention)."""
         t = self.cfg.train
         epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
-        assign = np.asarray(assign, np.int64)
-        if (assign < 0).any():  # index -1 would silently pick the last model
-            raise ValueError(f"{self.name}.finetune: clients {np.asarray(clients)[assign < 0].tolist()} have no model; "
-                             "an algorithm with unassigned clients must override finetune")
-        init = index_params(state.models, torch.from_numpy(assign))
-        spec = pass_spec(t, np.asarray(clients, np.int64), init, epochs, stream=stream, momentum=t.momentum)
+        clients = np.asarray(clients, np.int64)
+        init = self.own_models(state, ctx, clients, np.asarray(assign, np.int64))
+        spec = pass_spec(t, clients, init, epochs, stream=stream, momentum=t.momentum if self.finetune_momentum else 0.0)
         return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
 
     # ------------------------------------------------------------------ accounting

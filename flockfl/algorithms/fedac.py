@@ -61,261 +61,51 @@ models it runs an M-step from R^0 first (k-means from a random partition), then 
 clients that have uploaded at least once; after the first fit the others have R_i = −1, and if
 sampled they train from ω^0 towards the centroid that LrCos picks for ω^0.
 
-**State and memory** (all in ``ServerState``, so in the digest and the checkpoint):
-``models`` holds the K centroids Ω_k; ``assignments`` is R (−1: no model yet); ``algo`` holds
-``omega`` (a :class:`~flockfl.clientstate.ClientTable` of one flat float32 row per client; a
-client that never trained reads ω^0 and counts as unknown; a round writes only its participants'
-rows, and a checkpoint only the rows that changed), ``omega0`` (ω^0), ``phi`` (Φ), ``pca`` and
-``pca_mean`` (M and the mean it was centred with), ``pca_round`` and ``fitted``. The store grows
-only with the clients that have trained: for N = 1000 clients it is at most 1000 × dim(ω) × 4
-bytes plus 8 KB of row indices — 4.9 MB for the digits MLP (64-16-10, 1210 parameters), 636 MB
-for the 784-200-10 MNIST MLP (159,010 parameters) — plus K + 2 models and M (D × dim); the
-server step copies the store once (the old state stays intact), so its peak is twice that.
+**State** (all in ``ServerState``, so in the digest and the checkpoint): ``models`` holds the K
+centroids Ω_k; ``assignments`` is R (−1: no model yet); ``algo`` holds ``omega`` (a
+:class:`~flockfl.clientstate.ClientTable`, one flat float32 row per client that has trained; the
+others read ω^0; a checkpoint writes only the rows that changed), ``omega0`` (ω^0), ``phi`` (Φ),
+``pca``/``pca_mean`` (M and its centring mean), ``pca_round`` and ``fitted``. The store is at most
+N × dim(ω) × 4 bytes (N = 1000: 4.9 MB for the digits MLP 64-16-10, 636 MB for the 784-200-10
+MNIST MLP), plus K + 2 models and M; a server step copies it once (the old state stays intact).
 
-**Evaluation**: each federating client with its own ω_i on its test split (``accuracy``,
-``loss``, per cluster ``cluster/{k}/accuracy``); ``accuracy_centroid`` is the same with the
-cluster models Ω_{R_i}; ``num_clusters`` = K and ``ari``/``nmi`` compare R with the true groups
-(a client without a model counts as its own label −1). Every round's history row has
-``k_clusters`` (K after CNT), ``clusters_merged`` and ``clusters_split``. Fine-tuning
-(``train.eval_finetune``) starts from the client's own ω_i; a newcomer takes the centroid with
-the lowest loss on its training data.
-
-Hyper-parameters (``algorithm.*``; paper defaults are not recoverable from the seed, these are
-the spec's placeholders; ``flock list fedac`` shows each with its range):
-
-=====================  =========  ======  ==================================================
-key                    default    symbol  meaning
-=====================  =========  ======  ==================================================
-k                      4          K⁰      initial number of clusters (≥ 1; CNT changes it)
-mu                     0.01       μ       pull of ω_i towards its centroid (≥ 0)
-lam                    0.01       λ       pull of φ_i towards Φ (≥ 0)
-weighting              samples    p_i     weights of Φ's mean: samples (n_i) or uniform
-components             null       D       PCA components (≥ 1; null: min(|S_t| − 1, 10))
-center_before_project  false              LrCos on M(ω − mean) instead of Mω
-pca_refresh_every      1                  recompute M every this many rounds (≥ 1)
-lrcos_on               model              vectors of LrCos and CNT: model (ω) or decision (h)
-e_step                 all                E-step over all known clients or participants
-merge_threshold        0.1        a       merge when G_c < a (≥ 0)
-split_threshold        1.0        b       split when G_c > b (> 0, and > a)
-cnt_warmup             0                  rounds before the first CNT (≥ 0)
-cnt_every              1                  CNT every this many rounds (≥ 1)
-decision_layers        null               last n Linear layers form h (≥ 1; null: see above)
-=====================  =========  ======  ==================================================
+**Evaluation**: each federating client with its own ω_i (``accuracy``, ``loss``,
+``cluster/{k}/accuracy``) and with its centroid Ω_{R_i} (``accuracy_centroid``); ``num_clusters``
+= K; ``ari``/``nmi`` compare R with the true groups (no model: label −1). History rows add
+``k_clusters`` (K after CNT), ``clusters_merged`` and ``clusters_split``. Fine-tuning starts from
+ω_i; a newcomer takes the centroid with the lowest training loss. The paper's hyper-parameter
+defaults are not recoverable from the seed: the defaults are the spec's placeholders.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import numpy as np
 import torch
-from torch import nn
 
-from flockfl.clientstate import ClientTable
+from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.context import RunContext
-from flockfl.evaluation import client_model_losses, own_cluster_metrics, own_model_metrics, summarise_clients
-from flockfl.state import log_round
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
-from flockfl.errors import ConfigError
+from flockfl.algorithms.layout import Layout, split_layout
+from flockfl.clientstate import ClientTable
+from flockfl.clustering.lrcos import coordinates, e_step, em_step, lrcos, pca_map
+from flockfl.context import RunContext
+from flockfl.evaluation import client_model_losses, cluster_breakdown, own_cluster_metrics, summarise_clients
 from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
 from flockfl.rng import np_rng, torch_generator
-from flockfl.state import ServerState
+from flockfl.state import ServerState, log_round
 from models import init_params
-
-# ---------------------------------------------------------------------- the model split
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a model's parameters lie in one flat vector, and which of them are φ and h."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    offsets: tuple[int, ...]  # start of each parameter; offsets[-1] = dim
-    embedding: tuple[str, ...]  # φ
-    decision: tuple[str, ...]  # h
-
-    @property
-    def dim(self) -> int:
-        return self.offsets[-1]
-
-    def columns(self, names) -> torch.Tensor:
-        """The flat coordinates of the listed parameters (in layout order)."""
-        keep = set(names)
-        parts = [torch.arange(self.offsets[i], self.offsets[i + 1]) for i, n in enumerate(self.names) if n in keep]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
-
-    def flatten(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Stacked parameters → [n, dim]."""
-        n = params[self.names[0]].shape[0]
-        return torch.cat([params[k].reshape(n, -1) for k in self.names], 1)
-
-    def unflatten(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """[n, dim] → stacked parameters (views of x)."""
-        return {k: x[:, self.offsets[i]:self.offsets[i + 1]].reshape(len(x), *self.shapes[i])
-                for i, k in enumerate(self.names)}
-
-
-def split_layout(model: nn.Module, decision_layers: Optional[int] = None) -> Layout:
-    """ω = (φ, h) for ``model``: see the module docstring (``algorithm.decision_layers``)."""
-    params = list(model.named_parameters())
-    owner = {n: n.rsplit(".", 1)[0] if "." in n else "" for n, _ in params}
-    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    conv_bn = {name for name, m in model.named_modules()
-               if isinstance(m, (nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase))}
-    if decision_layers is not None:
-        if decision_layers > len(linears):
-            raise ConfigError(f"algorithm.decision_layers: {decision_layers} exceeds the {len(linears)} Linear layers "
-                              "of this model; lower it")
-        head = set(linears[len(linears) - decision_layers:])
-        decision = [n for n, _ in params if owner[n] in head]
-    elif conv_bn:
-        decision = [n for n, _ in params if owner[n] not in conv_bn]
-    else:
-        decision = [n for n, _ in params if owner[n] == (linears[-1] if linears else None)]
-    offsets = np.cumsum([0] + [p.numel() for _, p in params]).tolist()
-    return Layout(tuple(n for n, _ in params), tuple(tuple(p.shape) for _, p in params), tuple(offsets),
-                  tuple(n for n, _ in params if n not in decision), tuple(decision))
-
-
-# ---------------------------------------------------------------------- LrCos, E/M steps, CNT (pure)
-
-
-def pca_map(h: torch.Tensor, components: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, mean): M is the [D, dim] matrix of the top right singular vectors of the centred rows
-    of ``h`` (D = min(components or 10, n − 1, numerical rank)), mean the rows' mean.
-
-    The economy SVD is taken through the n × n Gram matrix (n = participants ≪ dim): its
-    eigenvectors U give V = Hᵀ U / s, which is cheap and deterministic for wide matrices."""
-    mean = h.mean(0)
-    centred = (h - mean).double()
-    evals, evecs = torch.linalg.eigh(centred @ centred.T)  # ascending
-    s2, u = evals.flip(0), evecs.flip(1)
-    limit = min(components if components is not None else 10, len(h) - 1)
-    rank = int((s2 > max(float(s2[0]), 0.0) * 1e-10).sum()) if len(s2) and s2[0] > 0 else 0
-    d = max(0, min(limit, rank))
-    v = (centred.T @ u[:, :d]) / s2[:d].sqrt()
-    return v.T.to(h.dtype).contiguous(), mean
-
-
-def project(x: torch.Tensor, m: torch.Tensor, mean: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Mx for every row (x − mean when ``mean`` is given); raw x when M has no rows."""
-    x = x - mean if mean is not None else x
-    return x @ m.T if len(m) else x
-
-
-def lrcos(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[n, K] cosine of every projected client vector with every projected centroid."""
-    pn = p / p.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    qn = q / q.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    return pn @ qn.T
-
-
-def e_step(sim: torch.Tensor) -> np.ndarray:
-    """R_i = argmax_k LrCos(ω_i, Ω_k), ties to the lowest k (the seed's argmin is a typo)."""
-    return np.argmax(sim.cpu().numpy(), axis=1).astype(np.int64)
-
-
-def m_step(x: torch.Tensor, labels: np.ndarray) -> tuple[torch.Tensor, np.ndarray]:
-    """(centroids, labels): Ω_k = mean of the rows labelled k; empty clusters are dropped and
-    the rest renumbered 0..K'−1 in their old order."""
-    kept = np.unique(labels)
-    new = np.searchsorted(kept, labels).astype(np.int64)
-    cent = torch.stack([x[_idx(np.flatnonzero(new == j), x.device)].mean(0) for j in range(len(kept))])
-    return cent, new
-
-
-def gc_ratios(x: torch.Tensor, labels: np.ndarray, centroids: torch.Tensor) -> np.ndarray:
-    """G_c^k = Dist_intra^k / Dist_inter^k for every cluster (K = 1: Dist_inter = ‖Ω_1‖²)."""
-    k = len(centroids)
-    c64 = centroids.double()
-    intra = np.array([float(((x[_idx(np.flatnonzero(labels == j), x.device)].double() - c64[j]) ** 2).sum(1).mean())
-                      for j in range(k)])
-    if k == 1:
-        inter = np.array([float((c64[0] ** 2).sum())])
-    else:
-        inter = (torch.cdist(c64, c64) ** 2).sum(1).cpu().numpy() / (k - 1)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        return np.where(inter > 0, intra / np.where(inter > 0, inter, 1.0), np.where(intra > 0, np.inf, 0.0))
-
-
-def two_means_cosine(p: torch.Tensor, iters: int = 100) -> np.ndarray:
-    """Spherical 2-means of the rows of ``p``: seeded with the two least similar rows (the first
-    such pair), then Lloyd steps on cosine similarity until the labels settle. Deterministic."""
-    pn = p.double().cpu()
-    pn = pn / pn.norm(dim=1, keepdim=True).clamp_min(1e-30)
-    sim = (pn @ pn.T).numpy()
-    a, b = np.unravel_index(np.argmin(sim), sim.shape)
-    centres = pn[[int(a), int(b)]]
-    labels = None
-    for _ in range(iters):
-        new = np.argmax((pn @ centres.T).numpy(), axis=1).astype(np.int64)
-        if labels is not None and np.array_equal(new, labels):
-            break
-        labels = new
-        if len(np.unique(labels)) < 2:
-            break
-        centres = torch.stack([pn[torch.from_numpy(labels == j)].mean(0) for j in (0, 1)])
-    return labels
-
-
-@dataclass
-class Tuning:
-    labels: np.ndarray
-    centroids: torch.Tensor
-    merged: int
-    split: int
-    g: np.ndarray  # G_c of the clusters before tuning
-
-
-def tune_clusters(x: torch.Tensor, proj: torch.Tensor, labels: np.ndarray, a: float, b: float,
-                  cols: Optional[torch.Tensor] = None) -> Tuning:
-    """One pass of Cluster Number Tuning (Algorithm 3) on the rows of ``x`` (full ω) with cluster
-    ``labels`` (0..K−1, every cluster non-empty); ``proj`` holds the rows' projected vectors Mω_i
-    (for the splits) and ``cols`` the coordinates the distances use (default: all)."""
-    centroids, labels = m_step(x, labels)
-    xs, cs = (x, centroids) if cols is None else (x[:, cols], centroids[:, cols])
-    g = gc_ratios(xs, labels, cs)
-    k = len(centroids)
-    busy: set[int] = set()
-    target = np.arange(k)
-    merged = split = 0
-    if k > 1:
-        dist = torch.cdist(cs.double(), cs.double()).cpu().numpy()
-        np.fill_diagonal(dist, np.inf)
-        for j in sorted(range(k), key=lambda j: (g[j], j)):
-            if not g[j] < a:
-                break
-            near = int(np.argmin(dist[j]))
-            if j in busy or near in busy:
-                continue
-            busy |= {j, near}
-            target[j] = near
-            merged += 1
-    out = target[labels]
-    for j in range(k):
-        members = np.flatnonzero(labels == j)
-        if j in busy or not g[j] > b or len(members) < 2:
-            continue
-        halves = two_means_cosine(proj[_idx(members, proj.device)])
-        if len(np.unique(halves)) < 2:
-            continue
-        out[members[halves == 1]] = k + split
-        split += 1
-    centroids, out = m_step(x, out)
-    return Tuning(out, centroids, merged, split, g)
-
-
-# ---------------------------------------------------------------------- the algorithm
 
 
 class FedAC(Algorithm):
     name = "fedac"
     device_state_keys = ("omega0", "phi", "pca", "pca_mean")  # flat tensors kept with the centroids
+    personal = True  # each client is evaluated with its own ω_i
+    finetune_momentum = False  # [kept as it was] FedAC's fine-tuning has never used train.momentum
     paper = "Zhang et al., FedAC: An Adaptive Clustered Federated Learning Framework for Heterogeneous Data, arXiv 2403.16460"
     hyperparameters = (
         replace(weighting("samples"), meaning="weights of the participants' embeddings in the global embedding Φ: "
@@ -368,11 +158,12 @@ class FedAC(Algorithm):
         """[C, dim] current ω_i of the listed clients (ω^0 for a client with no row)."""
         return state.algo["omega"].gather(clients, state.algo["omega0"].device)["omega"]
 
+    def pca_mean(self, state: ServerState) -> Optional[torch.Tensor]:
+        """The mean LrCos subtracts before projecting (``center_before_project``), else None."""
+        return state.algo["pca_mean"] if self.hp("center_before_project") and len(state.algo["pca"]) else None
+
     def projected(self, state: ServerState, ctx: RunContext, x: torch.Tensor) -> torch.Tensor:
-        cols = self.cols(ctx)
-        v = x if cols is None else x[:, cols]
-        mean = state.algo["pca_mean"] if self.hp("center_before_project") and len(state.algo["pca"]) else None
-        return project(v, state.algo["pca"], mean)
+        return coordinates(x, state.algo["pca"], self.pca_mean(state), self.cols(ctx))
 
     def centroid_of_untrained(self, state: ServerState, ctx: RunContext) -> int:
         """The E-step for ω^0 (clients the server has no model of)."""
@@ -419,7 +210,7 @@ class FedAC(Algorithm):
         anchor = index_params(state.models, torch.from_numpy(which))
         prox = {n: mu for n in lay.names}
         if mu + lam > 0:
-            phi = lay.unflatten(_scatter(lay, lay.embedding, state.algo["phi"], len(clients)))
+            phi = lay.unflatten(lay.scatter(lay.embedding, state.algo["phi"], len(clients)))
             for n in lay.embedding:
                 anchor[n] = (mu * anchor[n] + lam * phi[n]) / (mu + lam)
                 prox[n] = mu + lam
@@ -440,8 +231,7 @@ class FedAC(Algorithm):
         algo["omega"] = table
         # 2. the global embedding Φ: the p_i-weighted mean of the participants' φ_i
         phi_cols = lay.columns(lay.embedding).to(x_new.device)
-        w = self.weights(result, np.arange(len(clients))).to(x_new.dtype).to(x_new.device)
-        algo["phi"] = w @ x_new[:, phi_cols]
+        algo["phi"] = weighted_mean({"phi": x_new[:, phi_cols]}, self.weights(result, np.arange(len(clients))))["phi"]
         # 3. the PCA map M, from the participants' vectors, every pca_refresh_every rounds
         cols = self.cols(ctx)
         due = int(algo["pca_round"]) < 0 or state.round - int(algo["pca_round"]) >= a.pca_refresh_every
@@ -452,26 +242,21 @@ class FedAC(Algorithm):
         # 4–6. E-step, M-step, Cluster Number Tuning over the clients the server holds a model of
         known = np.flatnonzero(table.written())
         x = table.gather(known, x_new.device)["omega"]  # rows in client order
-        # labels: R^0 before the first fit; afterwards every known client but this round's
-        # first uploads (participants, so in every E-step's scope) has one
-        labels = state.assignments[known].copy()
-        proj = self.projected(new, ctx, x)
-        if bool(algo["fitted"]):
-            cent = lay.flatten(state.models)
-        else:  # Ω_k^0 are all ω^0: fit them to R^0 first (k-means from a random partition)
-            cent, labels = m_step(x, labels)
+        # labels: R^0 before the first fit (Ω_k^0 are all ω^0: fit them to R^0 first, k-means from a
+        # random partition); afterwards every known client but this round's first uploads
+        # (participants, so in every E-step's scope) has one
+        cent = lay.flatten(state.models) if bool(algo["fitted"]) else None
         scope = np.isin(known, clients) if a.e_step == "participants" else np.ones(len(known), bool)
-        sim = lrcos(proj[_idx(np.flatnonzero(scope), proj.device)], self.projected(new, ctx, cent))
-        labels[scope] = e_step(sim)
         due = state.round >= a.cnt_warmup and (state.round - a.cnt_warmup) % a.cnt_every == 0
-        tuned = tune_clusters(x, proj, labels, a.merge_threshold if due else -np.inf, a.split_threshold if due else np.inf,
-                              cols)
+        tuned = em_step(x, state.assignments[known], cent, scope, algo["pca"], self.pca_mean(new), cols,
+                        a.merge_threshold if due else -np.inf, a.split_threshold if due else np.inf)
         assignments = np.full(ctx.num_clients, -1, np.int64)
         assignments[known] = tuned.labels
         algo["fitted"] = torch.tensor(True)
         models = {k: v.contiguous() for k, v in lay.unflatten(tuned.centroids).items()}
-        new = new.replace(models=models, assignments=assignments, algo=algo)
-        new.meta["fedac_gc"] = [float(g) for g in tuned.g]  # G_c of this round's clusters before tuning
+        # G_c of this round's clusters before tuning
+        new = new.replace(models=models, assignments=assignments, algo=algo,
+                          meta={**new.meta, "fedac_gc": [float(g) for g in tuned.g]})
         log_round(new, k_clusters=len(tuned.centroids), clusters_merged=tuned.merged, clusters_split=tuned.split)
         return new
 
@@ -479,55 +264,31 @@ class FedAC(Algorithm):
     def eval_assignment(self, state: ServerState, ctx: RunContext) -> np.ndarray:
         return state.assignments
 
-    def own_params(self, state: ServerState, ctx: RunContext, clients: np.ndarray) -> dict[str, torch.Tensor]:
-        return self.layout(ctx).unflatten(self.omegas(state, clients))
+    def own_models(self, state: ServerState, ctx: RunContext, clients: np.ndarray, assign: np.ndarray
+                   ) -> dict[str, torch.Tensor]:
+        """Each client's own ω_i; a client the server has no model of: the centroid it is given
+        (a newcomer), else ω^0."""
+        lay = self.layout(ctx)
+        x = self.omegas(state, clients)
+        given = ~state.algo["omega"].written(clients) & (np.asarray(assign) >= 0)
+        if given.any():
+            x = x.clone()
+            x[torch.from_numpy(given)] = lay.flatten(state.models)[torch.from_numpy(np.asarray(assign)[given])]
+        return lay.unflatten(x)
 
-    def evaluate(self, state: ServerState, ctx: RunContext) -> dict:
-        from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
-
-        seen, task = ctx.seen, ctx.data.task
-        parts = [own_model_metrics(ctx.model, self.own_params(state, ctx, seen[i:i + 256]), ctx.data.test,
-                                   seen[i:i + 256], task) for i in range(0, len(seen), 256)]
-        c_loss, c_acc, n = (np.concatenate([p[j] for p in parts]) for j in range(3))
-        out = summarise_clients(c_loss, c_acc, n, task)
-        mine = state.assignments[seen]
-        key, vals = ("accuracy", c_acc) if task == "classification" else ("loss", c_loss)
-        for j in range(state.k):
-            m = (mine == j) & (n > 0)
-            out[f"cluster/{j}/clients"] = int((mine == j).sum())
-            if m.any():
-                out[f"cluster/{j}/{key}"] = float((vals[m] * n[m]).sum() / n[m].sum())
+    def cluster_metrics(self, state, ctx, clients, mine, c_loss, c_acc, n):
+        """The base breakdown with ``num_clusters`` = K, and ``accuracy_centroid``/``loss_centroid``:
+        each client with its centroid Ω_{R_i}."""
+        base = cluster_breakdown(ctx, clients, mine, c_loss, c_acc, n, state.k)
+        out = {k: v for k, v in base.items() if k.startswith("cluster/")}
         has = mine >= 0
         if has.any():
-            l_c, a_c, n_c = own_cluster_metrics(ctx.model, state.models, mine[has], ctx.data.test, seen[has], task)
-            out.update({f"{k}_centroid": v for k, v in summarise_clients(l_c, a_c, n_c, task).items()
+            l_c, a_c, n_c = own_cluster_metrics(ctx.model, state.models, mine[has], ctx.data.test, clients[has],
+                                                ctx.data.task)
+            out.update({f"{k}_centroid": v for k, v in summarise_clients(l_c, a_c, n_c, ctx.data.task).items()
                         if k in ("accuracy", "loss")})
-        out["num_clusters"] = state.k
-        group = ctx.data.group[seen]
-        if (group >= 0).all() and len(np.unique(group)) > 1:
-            out["ari"] = float(adjusted_rand_score(group, mine))
-            out["nmi"] = float(normalized_mutual_info_score(group, mine))
-        out["_client_accuracy"] = c_acc if task == "classification" else None
-        out["_client_loss"] = c_loss
-        out["_assignment"] = state.assignments
+        out.update(base, num_clusters=state.k)
         return out
-
-    def finetune(self, state: ServerState, ctx: RunContext, clients: np.ndarray, assign: np.ndarray, round: int,
-                 engine: str, stream: str) -> TrainResult:
-        """Plain local SGD from each client's own ω_i; a client the server has no model of starts
-        from the centroid it is given (a newcomer) or from ω^0."""
-        from flockfl.engine import TRAINERS
-
-        t, lay = self.cfg.train, self.layout(ctx)
-        clients = np.asarray(clients, np.int64)
-        x = self.omegas(state, clients).clone()
-        assign = np.asarray(assign, np.int64)
-        given = ~state.algo["omega"].written(clients) & (assign >= 0)
-        if given.any():
-            x[torch.from_numpy(given)] = lay.flatten(state.models)[torch.from_numpy(assign[given])]
-        epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
-        spec = LocalSpec(clients, lay.unflatten(x), t.lr, epochs, None, t.batch_size, t.full_batch, stream=stream)
-        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
 
     def admit_newcomers(self, state, ctx, newcomers):
         """A newcomer evaluates the K centroids on its training data and takes the best."""
@@ -541,13 +302,3 @@ class FedAC(Algorithm):
         phi = state.algo["phi"]
         return len(clients) * (per_model + phi.numel() * phi.element_size()), len(clients) * per_model
 
-
-def _idx(a: np.ndarray, device) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(a, np.int64)).to(device)
-
-
-def _scatter(lay: Layout, names, flat_part: torch.Tensor, n: int) -> torch.Tensor:
-    """A [n, dim] matrix holding ``flat_part`` (the listed parameters' coordinates) in every row."""
-    full = torch.zeros(lay.dim, dtype=flat_part.dtype, device=flat_part.device)
-    full[lay.columns(names).to(flat_part.device)] = flat_part
-    return full[None].expand(n, -1)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, integer
 from flockfl.rng import np_rng
@@ -107,9 +108,5 @@ class FedCluster(Algorithm):
             sizes = ctx.data.train.sizes.astype(np.float64) if by_samples else np.ones(ctx.num_clients)
             clusters = self.clusters(ctx)
             w = p / sizes[clusters == clusters[result.clients[0]]].sum()
-        wt = torch.from_numpy(w)
-        models = {}
-        for k, v in result.params.items():
-            flat = v.reshape(len(w), -1)
-            models[k] = (wt.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(v.shape[1:]).unsqueeze(0)
+        models = {k: v.unsqueeze(0) for k, v in weighted_mean(result.params, torch.from_numpy(w)).items()}
         return self._with_assignments(state, models, result.clients, assign)

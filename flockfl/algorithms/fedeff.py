@@ -48,8 +48,7 @@ class FedEff(Algorithm):
         sigma = ctx.system.epoch_seconds(ctx.data.train.sizes, t.batch_size)
         beta, delta = ctx.system.link_seconds(model_mb)
         epochs, ert, _ = fedeff_epochs(sigma, beta, delta, t.local_epochs, float(self.hp("edf")))
-        state.meta["fedeff_ert"] = ert
-        return state.replace(algo={"epochs": torch.from_numpy(epochs), "sigma": torch.from_numpy(sigma),
+        return state.replace(meta={**state.meta, "fedeff_ert": ert}, algo={"epochs": torch.from_numpy(epochs), "sigma": torch.from_numpy(sigma),
                                    "beta": torch.from_numpy(beta), "delta": torch.from_numpy(delta)})
 
     def local_spec(self, state, ctx, clients, round):

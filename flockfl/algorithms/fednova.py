@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import real
 
@@ -59,9 +60,6 @@ class FedNova(Algorithm):
         a = a.clamp_min(1e-12)  # a client that took no step contributes Δ = 0
         tau_eff = float((p * a).sum())
         coef = (tau_eff * p / a).to(torch.float32)  # per-client factor on Δ_i
-        models = {}
-        for k, v in state.models.items():
-            x = v[0]
-            delta = x.unsqueeze(0) - result.params[k]
-            models[k] = (x - (coef @ delta.reshape(len(coef), -1)).reshape(x.shape)).unsqueeze(0)
+        step = weighted_mean({k: v[0].unsqueeze(0) - result.params[k] for k, v in state.models.items()}, coef)
+        models = {k: (v[0] - step[k]).unsqueeze(0) for k, v in state.models.items()}
         return self._with_assignments(state, models, result.clients, assign)

@@ -47,8 +47,8 @@ class FedSC(Algorithm):
         labels = clustering.hierarchical_clusters(dist, n_clusters=min(self.cfg.algorithm.k, len(ctx.seen)), linkage="complete")
         groups = np.full(ctx.num_clients, -1, np.int64)
         groups[ctx.seen] = labels
-        state.meta["pre_federation_bytes"] = {"up": int(props.size * 4), "down": 0}
-        return state.replace(algo={**state.algo, "groups": torch.from_numpy(groups)})
+        return state.replace(algo={**state.algo, "groups": torch.from_numpy(groups)},
+                             meta={**state.meta, "pre_federation_bytes": {"up": int(props.size * 4), "down": 0}})
 
     def select(self, state, ctx, round):
         groups = state.algo["groups"].numpy()

@@ -32,18 +32,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from flockfl.algorithms.flexcfl import GroupedClients, flatten, shift_hypers, with_round_log
+from flockfl.algorithms.grouped import GroupedClients, rows64, shift_hypers, with_round_log
 from flockfl.algorithms.hyper import Hyper, integer, weighting
 from flockfl.clientstate import ClientTable
+from flockfl.clustering.groups import nearest_centers
 from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator
 from models import init_params
-
-
-def nearest_centers(points: np.ndarray, centers: np.ndarray) -> np.ndarray:
-    """argmin_j ‖x_i − c_j‖ for float64 rows (ties → the lowest index)."""
-    d = np.stack([np.linalg.norm(points - c[None, :], axis=1) for c in centers], 1)
-    return np.argmin(d, axis=1).astype(np.int64)
 
 
 class FeSEM(GroupedClients):
@@ -69,8 +64,8 @@ class FeSEM(GroupedClients):
     def nearest(self, state, clients: np.ndarray) -> np.ndarray:
         if len(clients) == 0:
             return np.zeros(0, np.int64)
-        points = flatten(state.algo["last_local"].gather(clients, next(iter(state.models.values())).device))
-        return nearest_centers(points, flatten(state.models))
+        points = rows64(state.algo["last_local"].gather(clients, next(iter(state.models.values())).device))
+        return nearest_centers(points, rows64(state.models))
 
     def before_training(self, state, ctx, clients, round):
         """FeSEM-MIG's re-assignment of shifted warm clients, then the E-step of the selected ones."""
@@ -100,12 +95,12 @@ class FeSEM(GroupedClients):
         return new.replace(algo={**new.algo, "last_local": state.algo["last_local"].scatter(result.clients, result.params)})
 
     def fallback_model(self, state, ctx):
-        j = int(nearest_centers(flatten({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()}),
-                                flatten(state.models))[0])
+        j = int(nearest_centers(rows64({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()}),
+                                rows64(state.models))[0])
         return {k: v[j] for k, v in state.models.items()}
 
     def admit_newcomers(self, state, ctx, newcomers):
         """A newcomer never trained: its local solution is w_0, so it joins the center nearest w_0."""
-        w0 = flatten({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()})
-        j = int(nearest_centers(w0, flatten(state.models))[0])
+        w0 = rows64({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()})
+        j = int(nearest_centers(w0, rows64(state.models))[0])
         return state, np.full(len(newcomers), j, np.int64), "the center nearest w_0 (ℓ2)"

@@ -93,257 +93,18 @@ regression task migration never fires.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
 from flockfl import clustering
-from flockfl.clustering import edc_embedding
-from flockfl.algorithms.base import Algorithm
-from flockfl.context import RunContext
-from flockfl.evaluation import evaluate_models, own_cluster_metrics, summarise_clients
-from flockfl.state import log_round
-from flockfl.client import train_from
+from flockfl.algorithms.grouped import GroupedClients, from_row, rows64, shift_hypers, with_round_log
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
-from flockfl.rng import np_rng, torch_generator
+from flockfl.client import train_from
+from flockfl.clustering.groups import eq8_assign, inter_group, kmeans_partition, madc_matrix
+from flockfl.context import RunContext
+from flockfl.evaluation import own_cluster_metrics, summarise_clients
+from flockfl.rng import np_rng
 from flockfl.state import ServerState
-from models import init_params
-
-# ---------------------------------------------------------------------- pure maths
-
-
-def flatten(params: dict[str, torch.Tensor]) -> np.ndarray:
-    """Stacked parameters [n, ...] → float64 rows [n, d] (parameter order = dict order)."""
-    n = next(iter(params.values())).shape[0]
-    return torch.cat([v.detach().reshape(n, -1).double().cpu() for v in params.values()], 1).numpy()
-
-
-def unflatten(row: np.ndarray, like: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """One float64 row [d] → parameters shaped like ``like`` (unstacked), in its dtype and device."""
-    out, a = {}, 0
-    for k, v in like.items():
-        n = v.numel()
-        out[k] = torch.from_numpy(np.ascontiguousarray(row[a : a + n])).reshape(v.shape).to(v.dtype).to(v.device)
-        a += n
-    return out
-
-
-def kmeans_partition(x: np.ndarray, m: int, random_state: int, max_iter: int = 20) -> np.ndarray:
-    """K-means++ labels of the rows (sklearn, n_init=10 pinned), m clamped to the row count."""
-    from sklearn.cluster import KMeans
-
-    m = max(1, min(int(m), len(x)))
-    km = KMeans(n_clusters=m, init="k-means++", n_init=10, max_iter=int(max_iter), random_state=int(random_state))
-    return km.fit(np.asarray(x, np.float64)).labels_.astype(np.int64)
-
-
-def cosine_matrix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """[len(a), len(b)] cosine similarities (0 where a row has zero norm)."""
-    na, nb = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    dots = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
-    den = np.outer(na, nb)
-    return np.divide(dots, den, out=np.zeros_like(dots), where=den > 0)
-
-
-def madc_matrix(delta: np.ndarray) -> np.ndarray:
-    """MADC (Eq. 6): (1/(n−2)) Σ_{z≠i,j} |S(i,z) − S(j,z)| on the full cosine matrix S."""
-    s = cosine_matrix(delta, delta)
-    n = len(s)
-    if n <= 2:
-        return np.zeros((n, n))
-    total = np.abs(s[:, None, :] - s[None, :, :]).sum(-1)  # Σ over every z
-    own = np.abs(np.diag(s)[:, None] - s.T) + np.abs(s - np.diag(s)[None, :])  # the z = i and z = j terms
-    d = (total - own) / (n - 2.0)
-    np.fill_diagonal(d, 0.0)
-    return d
-
-
-def eq8_assign(delta: np.ndarray, directions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Eq. 8: argmin_j (1 − cos(Δw_0^(g_j), Δw_pre))/2 (ties → the lowest index); returns
-    (groups, the [n, m] dissimilarities)."""
-    dis = (1.0 - cosine_matrix(delta, directions)) / 2.0
-    return np.argmin(dis, axis=1).astype(np.int64), dis
-
-
-def w1_sorted_counts(curr: np.ndarray, prev: np.ndarray) -> np.ndarray:
-    """The code's detector statistic per row: scipy's 1-D W1 between the C count values taken as
-    samples = mean |sort(curr) − sort(prev)|."""
-    curr, prev = np.atleast_2d(curr).astype(np.float64), np.atleast_2d(prev).astype(np.float64)
-    return np.abs(np.sort(curr, 1) - np.sort(prev, 1)).mean(1)
-
-
-def w1_labels(curr: np.ndarray, prev: np.ndarray) -> np.ndarray:
-    """W1 over the class indices 0..C−1 between the two normalised label distributions per row
-    (Σ_k |CDF_curr(k) − CDF_prev(k)|); 0 when both are empty, C−1 when only one is."""
-    curr, prev = np.atleast_2d(curr).astype(np.float64), np.atleast_2d(prev).astype(np.float64)
-    sc, sp = curr.sum(1, keepdims=True), prev.sum(1, keepdims=True)
-    p, q = curr / np.where(sc > 0, sc, 1), prev / np.where(sp > 0, sp, 1)
-    out = np.abs(np.cumsum(p - q, 1))[:, :-1].sum(1)
-    one_empty = (sc[:, 0] > 0) != (sp[:, 0] > 0)
-    out[one_empty] = curr.shape[1] - 1
-    return out
-
-
-def shift_detected(curr: np.ndarray, prev: np.ndarray, n0: np.ndarray, ratio: float, mode: str) -> np.ndarray:
-    """Eq. 9 per client: ``code``: W1(sorted counts) > ratio·n_i/C; ``label_aware``: W1 over
-    labels > ratio."""
-    if mode == "code":
-        return w1_sorted_counts(curr, prev) > ratio * np.asarray(n0, np.float64) / np.atleast_2d(curr).shape[1]
-    return w1_labels(curr, prev) > ratio
-
-
-def label_counts(split, num_classes: int) -> np.ndarray:
-    """[clients, C] training-label counts of every client of a split."""
-    n = len(split.offsets) - 1
-    owner = np.repeat(np.arange(n), np.diff(split.offsets))
-    y = split.y.cpu().numpy().astype(np.int64)
-    return np.bincount(owner * num_classes + y, minlength=n * num_classes).reshape(n, num_classes)
-
-
-def inter_group(models: np.ndarray, eta: float, mode: str) -> np.ndarray:
-    """Inter-group aggregation of flattened group models [g, d] (float64), each group using the
-    others' pre-aggregation models (§2.6)."""
-    g = len(models)
-    if g < 2 or eta == 0:
-        return models.copy()
-    norms = np.linalg.norm(models, axis=1)
-    inv = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0)
-    out = np.empty_like(models)
-    for j in range(g):
-        others = [l for l in range(g) if l != j]
-        if mode == "paper":
-            out[j] = models[j] + eta * (inv[others, None] * models[others]).sum(0)
-        else:
-            w = eta * inv[others]
-            out[j] = (models[j] + (w[:, None] * models[others]).sum(0)) / (1.0 + w.sum())
-    return out
-
-
-# ---------------------------------------------------------------------- shared machinery
-
-
-def round_robin_or_random(alg: Algorithm, state: ServerState, ctx: RunContext, round: int, on: bool) -> np.ndarray:
-    """The code's selection: the federating clients in id order, K at a time (wrapping), while
-    round < N/K; then the base class's uniform draw from (seed, round, "select")."""
-    pool = ctx.seen
-    k = min(alg.cfg.train.clients_per_round, len(pool))
-    if on and round < len(pool) / k:
-        head = round * k
-        return np.sort(pool[(head + np.arange(k)) % len(pool)])
-    return Algorithm.select(alg, state, ctx, round)
-
-
-def with_round_log(state: ServerState, **counts: float) -> ServerState:
-    """A state whose meta (and round log) is a fresh copy with the counts added."""
-    meta = dict(state.meta)
-    meta["round_log"] = dict(meta.get("round_log") or {})
-    state = state.replace(meta=meta)
-    log_round(state, **counts)
-    return state
-
-
-def shift_hypers(migration_default: bool) -> tuple[Hyper, ...]:
-    return (
-        Hyper("migration", migration_default, "before each round's training, re-assign every warm client whose label "
-              "distribution shifted (Eq. 9): FlexCFL redoes its cold start, FeSEM-MIG its ℓ2 assignment (false: "
-              "static groups; flexcfl with false is FedGroup)", "", "bool"),
-        choice("shift_detector", "code", ("code", "label_aware"),
-               "Eq. 9's W1: the code's (count vectors as 1-D samples, > τ_i = tau_ratio·n_i/C) or over class "
-               "indices between label distributions (> tau_ratio)"),
-        real("tau_ratio", 0.2, "shift threshold: the share of a client's data that must change (τ_i = tau_ratio·n_i/C)",
-             "τ", gt=0),
-        Hyper("round_robin", True, "select clients round-robin in id order for the first ⌈N/K⌉ rounds (the code), "
-              "then at random", "", "bool"),
-    )
-
-
-class GroupedClients(Algorithm):
-    """m group models; a client is in one group or cold (-1). Shared by FlexCFL and FeSEM:
-    round-robin selection, the shift detector, current-membership evaluation."""
-
-    @property
-    def num_models(self) -> int:
-        return self.cfg.algorithm.k
-
-    @classmethod
-    def check_config(cls, cfg) -> None:
-        n = cfg.partition.num_clients
-        if n is not None and cfg.algorithm.k > n:
-            raise ValueError(f"algorithm.k: {cfg.algorithm.k} groups exceed the {n} clients (partition.num_clients); lower it")
-
-    def init_state(self, ctx: RunContext) -> ServerState:
-        state = super().init_state(ctx)
-        algo = dict(state.algo)
-        if ctx.data.task == "classification":  # each client's reference label counts: those it was built with
-            algo["label_counts"] = torch.from_numpy(label_counts(ctx.base_data.train, ctx.data.num_classes))
-        return state.replace(assignments=np.full(ctx.num_clients, -1, np.int64), algo=algo)
-
-    def w0(self, ctx: RunContext) -> dict[str, torch.Tensor]:
-        """The global initial model: FedAvg's (seed, client 0, "init") draw."""
-        return init_params(ctx.model, torch_generator(ctx.seed, client=0, purpose="init"))
-
-    def select(self, state, ctx, round):
-        return round_robin_or_random(self, state, ctx, round, self.cfg.algorithm.round_robin)
-
-    def warm(self, state: ServerState, ctx: RunContext) -> np.ndarray:
-        return ctx.seen[state.assignments[ctx.seen] >= 0]
-
-    def shift_pool(self, state, ctx):
-        """Swaps touch only warm clients (the code)."""
-        return self.warm(state, ctx)
-
-    def model_of(self, state, ctx, clients):
-        return state.assignments[clients]
-
-    def eval_assignment(self, state, ctx):
-        return state.assignments
-
-    def shifted_clients(self, state: ServerState, ctx: RunContext) -> tuple[np.ndarray, np.ndarray]:
-        """(warm clients whose shift detector fires, their current label counts)."""
-        a = self.cfg.algorithm
-        none = np.zeros(0, np.int64), np.zeros((0, max(ctx.data.num_classes, 1)), np.int64)
-        if not a.migration or ctx.cfg.shift.kind == "none" or "label_counts" not in state.algo:
-            return none
-        warm = self.warm(state, ctx)
-        if len(warm) == 0:
-            return none
-        curr = label_counts(ctx.data.train, ctx.data.num_classes)[warm]
-        prev = state.algo["label_counts"].numpy()[warm]
-        n0 = ctx.base_data.train.sizes[warm]
-        fire = shift_detected(curr, prev, n0, a.tau_ratio, a.shift_detector)
-        return warm[fire], curr[fire]
-
-    def store_counts(self, state: ServerState, clients: np.ndarray, counts: np.ndarray) -> dict:
-        algo = dict(state.algo)
-        if len(clients):
-            lc = algo["label_counts"].clone()
-            lc[torch.from_numpy(clients)] = torch.from_numpy(counts).to(lc.dtype)
-            algo["label_counts"] = lc
-        return algo
-
-    def fallback_model(self, state: ServerState, ctx: RunContext) -> dict[str, torch.Tensor]:
-        """The model a still-cold client uses where one is needed (fine-tuning)."""
-        return {k: v.mean(0) for k, v in state.models.items()}
-
-    def evaluate(self, state: ServerState, ctx: RunContext) -> dict[str, Any]:
-        """Each warm federating client with its group's model (current membership)."""
-        warm = self.warm(state, ctx)
-        out = evaluate_models(state.models, state.assignments, ctx, warm if len(warm) else ctx.seen)
-        out["clients_warm"] = int(len(warm))
-        out["coverage"] = float(len(warm) / max(len(ctx.seen), 1))
-        return out
-
-    def finetune(self, state, ctx, clients, assign, round, engine, stream):
-        assign = np.asarray(assign, np.int64)
-        if (assign >= 0).all():
-            return super().finetune(state, ctx, clients, assign, round, engine, stream)
-        extra = self.fallback_model(state, ctx)
-        ext = state.replace(models={k: torch.cat([v, extra[k].unsqueeze(0)]) for k, v in state.models.items()})
-        return super().finetune(ext, ctx, clients, np.where(assign >= 0, assign, state.k), round, engine, stream)
-
-
-# ---------------------------------------------------------------------- FlexCFL
 
 
 class FlexCFL(GroupedClients):
@@ -384,8 +145,8 @@ class FlexCFL(GroupedClients):
         steps = self.cfg.algorithm.pretrain_steps
         params = train_from(ctx, state, state.algo["w0"], clients, epochs=self.cfg.train.local_epochs if steps is None else 1,
                             steps=steps, round=round, stream=stream).params
-        w0 = flatten({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()})
-        return params, flatten(params) - w0
+        w0 = rows64({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()})
+        return params, rows64(params) - w0
 
     # ------------------------------------------------------------------ group cold start
     def pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
@@ -402,10 +163,10 @@ class FlexCFL(GroupedClients):
                       if count > 2 else np.arange(count, dtype=np.int64))
         else:
             rs = int(np_rng(ctx.seed, purpose="flexcfl/kmeans").integers(2**31 - 1))
-            labels = kmeans_partition(edc_embedding(delta, m), m, rs, a.kmeans_max_iter)
-        flat_params = flatten(params)
+            labels = kmeans_partition(clustering.edc_embedding(delta, m), m, rs, a.kmeans_max_iter)
+        flat_params = rows64(params)
         like = state.algo["w0"]
-        w0_flat = flatten({k: v.unsqueeze(0) for k, v in like.items()})[0]
+        w0_flat = rows64({k: v.unsqueeze(0) for k, v in like.items()})[0]
         rows, dirs = [], np.zeros((m, delta.shape[1]))
         for j in range(m):
             members = labels == j
@@ -414,19 +175,18 @@ class FlexCFL(GroupedClients):
                 dirs[j] = delta[members].mean(0)
             else:  # an empty group (fewer pre-training clients than groups) starts at w_0 with no direction
                 rows.append(w0_flat)
-        groups = [unflatten(r, like) for r in rows]
+        groups = [from_row(r, like) for r in rows]
         models = {k: torch.stack([g[k] for g in groups]) for k in like}
         assignments = state.assignments.copy()
         assignments[chosen] = labels
         nonempty = np.unique(labels)
-        glob = unflatten(np.stack(rows)[nonempty].mean(0), like)
+        glob = from_row(np.stack(rows)[nonempty].mean(0), like)
         algo = {**state.algo, "directions": torch.from_numpy(dirs), "global": glob,
                 "pretrain_clients": torch.from_numpy(chosen), "pretrain_labels": torch.from_numpy(labels)}
         state = state.replace(models=models, assignments=assignments, algo=algo)
         per_model = self.model_bytes(state)
-        state.meta["pre_federation_bytes"] = {"up": count * per_model,
-                                              "down": count * per_model + len(ctx.seen) * m * per_model}
-        return state
+        return state.replace(meta={**state.meta, "pre_federation_bytes": {
+            "up": count * per_model, "down": count * per_model + len(ctx.seen) * m * per_model}})
 
     # ------------------------------------------------------------------ client cold start and migration
     def cold_groups(self, state, ctx, clients: np.ndarray, round: int, stream: str) -> np.ndarray:
@@ -459,16 +219,16 @@ class FlexCFL(GroupedClients):
         a = self.cfg.algorithm
         new = super().aggregate(state, ctx, spec, result, assign)  # FedAvg inside each group
         like = state.algo["w0"]
-        flat = flatten(new.models)
+        flat = rows64(new.models)
         nonempty = np.unique(new.assignments[new.assignments >= 0])
         extra = 0
         if a.eta_g > 0 and len(nonempty) > 1:
             flat[nonempty] = inter_group(flat[nonempty], a.eta_g, a.inter_group_mode)
-            groups = [unflatten(r, like) for r in flat]
+            groups = [from_row(r, like) for r in flat]
             new = new.replace(models={k: torch.stack([g[k] for g in groups]) for k in like})
             extra = len(nonempty) * self.model_bytes(state)
-        glob = unflatten(flat[nonempty].mean(0), like) if len(nonempty) else state.algo["global"]
-        trained = flatten(result.params)
+        glob = from_row(flat[nonempty].mean(0), like) if len(nonempty) else state.algo["global"]
+        trained = rows64(result.params)
         disc = float(np.linalg.norm(trained - flat[assign], axis=1).mean()) if len(assign) else 0.0
         new = new.replace(algo={**new.algo, "global": glob})
         return with_round_log(new, discrepancy=disc, bytes_inter_group=extra)
@@ -493,6 +253,3 @@ class FlexCFL(GroupedClients):
         rule = "Eq. 8 cold start" if self.cfg.algorithm.cold_assign == "eq8" else "a random group (RAC)"
         return state, groups, rule
 
-
-__all__ = ["FlexCFL", "GroupedClients", "edc_embedding", "eq8_assign", "inter_group", "kmeans_partition", "madc_matrix",
-           "shift_detected", "w1_labels", "w1_sorted_counts"]

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from flockfl import clustering
+from flockfl.aggregation import rows, weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.evaluation import client_model_losses
 from flockfl.client import train_from
@@ -125,8 +126,8 @@ class FLISDC(FLISBase):
     def aggregate(self, state, ctx, spec, result, assign):
         """T_{t+1} models: the |D_k|-weighted mean of each (overlapping) cluster's members."""
         clusters, _ = self.overlapping_clusters(ctx, result)
-        models = {k: torch.stack([(self.weights(result, m).to(v.dtype) @ v[torch.from_numpy(m)].reshape(len(m), -1))
-                                  .reshape(v.shape[1:]) for m in clusters]) for k, v in result.params.items()}
+        means = [weighted_mean(rows(result.params, m), self.weights(result, m)) for m in clusters]
+        models = {k: torch.stack([mean[k] for mean in means]) for k in result.params}
         return self._with_assignments(state, models, result.clients, assign)
 
     def comm_bytes(self, state, clients):
@@ -172,8 +173,8 @@ class FLISHC(FLISBase, OneShotClustering):
             "server_predictions": predictions,
         })
         per_model = self.model_bytes(state)
-        state.meta["pre_federation_bytes"] = {"up": len(ctx.seen) * per_model, "down": len(ctx.seen) * per_model}
-        return state
+        return state.replace(meta={**state.meta, "pre_federation_bytes": {"up": len(ctx.seen) * per_model,
+                                                                          "down": len(ctx.seen) * per_model}})
 
     def admit_newcomers(self, state, ctx, newcomers):
         a = self.cfg.algorithm

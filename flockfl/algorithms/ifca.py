@@ -51,7 +51,7 @@ Initialisation (``algorithm.init``):
 At evaluation each client uses the model with the lowest loss on its training data;
 assignments are compared with the true groups by ARI/NMI.
 
-``ifca_oneshot`` (:class:`IFCAOneShot`, the paper's Algorithm 1, spec §2.2) is at the bottom.
+``ifca_oneshot`` (the paper's Algorithm 1, spec §2.2) is in ``ifca_oneshot.py``.
 """
 
 from __future__ import annotations
@@ -62,110 +62,19 @@ import numpy as np
 import torch
 
 from flockfl import clustering
+from flockfl.aggregation import flatten, rows, weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.context import RunContext
-from flockfl.evaluation import client_model_losses
-from flockfl.client import train_from
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, text, weighting
-from flockfl.algorithms.oneshot import OneShotClustering
-from flockfl.errors import ConfigError
+from flockfl.algorithms.layout import parameter_names, shared_parameters, tie
+from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
+from flockfl.client import train_from
+from flockfl.context import RunContext
 from flockfl.engine.functional import index_params, stack
 from flockfl.engine.schedule import LocalSpec
+from flockfl.errors import ConfigError
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
-from models import build_model, init_params
-
-
-def cluster_losses(state: ServerState, ctx: RunContext, clients: np.ndarray) -> torch.Tensor:
-    """[k, C] mean training loss of every listed client under every cluster model (one pass)."""
-    loss, _, _ = client_model_losses(ctx.model, state.models, ctx.data.train, clients, ctx.data.task)
-    return loss
-
-
-def assign_by_min_loss(losses: torch.Tensor) -> np.ndarray:
-    """ĵ = argmin_j F_i(θ_j), ties broken by the lowest index (as np.argmin)."""
-    return np.argmin(losses.numpy(), axis=0).astype(np.int64)
-
-
-# ---------------------------------------------------------------------- weight sharing
-
-
-def parameter_names(model_name: str, hidden: int = 200) -> list[str]:
-    """The parameter names of an architecture, in order (they do not depend on the input
-    shape, so a dummy 1×28×28 input serves every model)."""
-    return [n for n, _ in build_model(model_name, (1, 28, 28), 2, hidden).named_parameters()]
-
-
-def shared_parameters(spec: str, names: list[str]) -> list[str]:
-    """The parameters ``algorithm.shared`` names (ValueError, one line, for a bad value)."""
-    spec = spec.strip()
-    if spec == "none":
-        return []
-    if spec == "all_but_last":
-        head = names[-1].rsplit(".", 1)[0]  # the module that owns the last parameter
-        shared = [n for n in names if n.rsplit(".", 1)[0] != head]
-        if not shared:
-            raise ValueError(f"algorithm.shared: all_but_last shares nothing: the model has one layer ({', '.join(names)}); "
-                             "use none")
-        return shared
-    prefixes = [p.strip() for p in spec.split(",")]
-    if any(not p for p in prefixes):
-        raise ValueError(f"algorithm.shared: {spec!r} has an empty prefix; give none, all_but_last or prefixes like '1.,3.'")
-    unknown = [p for p in prefixes if not any(n.startswith(p) for n in names)]
-    if unknown:
-        raise ValueError(f"algorithm.shared: {', '.join(map(repr, unknown))} matches no parameter (the model has "
-                         f"{', '.join(names)}); give none, all_but_last or parameter-name prefixes")
-    shared = [n for n in names if any(n.startswith(p) for p in prefixes)]
-    if len(shared) == len(names):
-        raise ValueError(f"algorithm.shared: {spec!r} shares every parameter, so the k models would be identical; "
-                         "leave at least the last layer per cluster")
-    return shared
-
-
-def tie(models: dict[str, torch.Tensor], names: list[str], value: dict[str, torch.Tensor] | None = None
-        ) -> dict[str, torch.Tensor]:
-    """The models with each listed parameter stored once: a stride-0 ``[k, ...]`` view of
-    ``value[name]`` (default: model 0's)."""
-    if not names:
-        return models
-    out = dict(models)
-    for n in names:
-        v = models[n]
-        one = (value[n] if value is not None else v[0]).detach().clone()
-        out[n] = one.unsqueeze(0).expand(v.shape[0], *v.shape[1:])
-    return out
-
-
-# ---------------------------------------------------------------------- local passes outside the rounds
-
-
-def flat(params: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    """[C, D] float64: the stacked parameters, flattened in ``names`` order."""
-    n = next(iter(params.values())).shape[0]
-    return torch.cat([params[k].reshape(n, -1).double().cpu() for k in names], 1)
-
-
-def update_embedding(theta0: dict[str, torch.Tensor], trained: dict[str, torch.Tensor], how: str, k: int) -> np.ndarray:
-    """The rows k-means clusters, from the updates Δ_i = θ_0 − θ_i of the pre-training pass:
-
-    - ``updates``: Δ_i flattened;
-    - ``layers``: per weight tensor (every parameter with ≥ 2 dims; biases left out), Δ_i's
-      block scaled to unit norm, the blocks side by side; every layer's update *direction*
-      counts once, whatever its size or step length;
-    - ``edc``: FlexCFL's EDC embedding of Δ_i (:func:`flockfl.clustering.edc_embedding`)."""
-    names = list(theta0)
-    if how == "layers":
-        names = [n for n in names if theta0[n].dim() >= 2] or names
-    blocks = [flat({n: theta0[n].unsqueeze(0)}, [n]) - flat({n: trained[n]}, [n]) for n in names]
-    if how == "layers":
-        return torch.cat([b / b.norm(dim=1, keepdim=True).clamp_min(1e-300) for b in blocks], 1).numpy()
-    updates = torch.cat(blocks, 1)
-    return clustering.edc_embedding(updates.numpy(), k) if how == "edc" else updates.numpy()
-
-
-def kmeans_centres(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
-    """The mean of each cluster's rows (k-means' centres at convergence), [k, D]."""
-    return np.stack([x[labels == j].mean(0) if (labels == j).any() else np.full(x.shape[1], np.nan) for j in range(k)])
+from models import init_params
 
 
 class IFCA(Algorithm):
@@ -221,18 +130,20 @@ class IFCA(Algorithm):
         return self.cfg.algorithm.init == "pretrain_kmeans" and self.num_models > 1
 
     # ------------------------------------------------------------------ initialisation
+    def draw_model(self, ctx: RunContext, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """One random model: θ ~ Bernoulli(0.5)^d for the linear model (as the synthetic code), else the default init."""
+        if self.cfg.model.name == "linear":
+            return {n: torch.bernoulli(torch.full_like(p, 0.5), generator=g) for n, p in ctx.model.named_parameters()}
+        return init_params(ctx.model, g)
+
     def random_models(self, ctx: RunContext, attempt: int = 0) -> dict[str, torch.Tensor]:
         purpose = "init" if attempt == 0 else f"init/restart{attempt}"
-        models = []
-        for j in range(self.num_models):
-            g = torch_generator(ctx.seed, client=j, purpose=purpose)
-            if self.cfg.model.name == "linear":  # θ_j ~ Bernoulli(0.5)^d, as in the synthetic code
-                models.append({n: torch.bernoulli(torch.full_like(p, 0.5), generator=g) for n, p in ctx.model.named_parameters()})
-            else:
-                models.append(init_params(ctx.model, g))
-        return tie(stack(models), self.shared)
+        return tie(stack([self.draw_model(ctx, torch_generator(ctx.seed, client=j, purpose=purpose))
+                          for j in range(self.num_models)]), self.shared)
 
     def given_models(self, ctx: RunContext) -> dict[str, torch.Tensor]:
+        """init=given: the k stacked models of the file ``algorithm.init_path`` (the only file an
+        algorithm reads; the run's preparation should read it and hand the models in)."""
         path = Path(self.cfg.algorithm.init_path)
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)
@@ -259,7 +170,7 @@ class IFCA(Algorithm):
                                      minlength=self.num_models)
                 if counts.min() >= a.min_cluster_frac * len(cohort):
                     break
-            state.meta["init_attempts"] = attempt + 1
+            state = state.replace(meta={**state.meta, "init_attempts": attempt + 1})
         return state.replace(models=models)
 
     def pretrain_cohort(self, ctx: RunContext) -> np.ndarray:
@@ -282,31 +193,30 @@ class IFCA(Algorithm):
         clients = self.pretrain_cohort(ctx)
         epochs = a.pretrain_epochs if a.pretrain_epochs is not None else self.cfg.train.local_epochs
         res = train_from(ctx, state, theta0, clients, epochs=epochs, stream="pretrain")
+        # the updates Δ_i = θ_0 − θ_i, one float64 block per parameter (per weight tensor for ``layers``)
         names = list(theta0)
-        x = update_embedding(theta0, res.params, a.pretrain_embedding, a.k)
-        labels = clustering.kmeans_labels(x, a.k, ctx.seed)
+        if a.pretrain_embedding == "layers":
+            names = [n for n in names if theta0[n].dim() >= 2] or names
+        blocks = [flatten({n: theta0[n][None]}).double().cpu() - flatten({n: res.params[n]}).double().cpu() for n in names]
+        labels = clustering.kmeans_labels(clustering.update_embedding(blocks, a.pretrain_embedding, a.k), a.k, ctx.seed)
         models = {k: v.clone() for k, v in state.models.items()}
         for j in range(a.k):
             members = np.flatnonzero(labels == j)
             if len(members) == 0:  # fewer distinct updates than k: this model keeps its random draw
                 continue
-            w = self.weights(res, members)
-            for k in names:
-                p = res.params[k][torch.from_numpy(members)]
-                models[k][j] = (w.to(p.dtype) @ p.reshape(len(members), -1)).reshape(p.shape[1:])
+            mean = weighted_mean(rows(res.params, members), self.weights(res, members))
+            for k in models:
+                models[k][j] = mean[k]
         if self.shared:
-            w = self.weights(res, np.arange(len(clients)))
-            everyone = {k: (w.to(res.params[k].dtype) @ res.params[k].reshape(len(clients), -1)).reshape(res.params[k].shape[1:])
-                        for k in self.shared}
+            everyone = weighted_mean({k: res.params[k] for k in self.shared}, self.weights(res, np.arange(len(clients))))
             models = tie(models, self.shared, everyone)
         assignments = state.assignments.copy()
         assignments[clients] = labels
         state = state.replace(models=models, assignments=assignments, algo={
             **state.algo, "pretrain_clients": torch.from_numpy(clients), "pretrain_labels": torch.from_numpy(labels)})
         per_model = self.model_bytes(state)
-        state.meta["pretrain_cluster_sizes"] = np.bincount(labels, minlength=a.k).tolist()
-        state.meta["pre_federation_bytes"] = {"up": len(clients) * per_model, "down": len(clients) * per_model}
-        return state
+        return state.replace(meta={**state.meta, "pretrain_cluster_sizes": np.bincount(labels, minlength=a.k).tolist(),
+                                   "pre_federation_bytes": {"up": len(clients) * per_model, "down": len(clients) * per_model}})
 
     # ------------------------------------------------------------------ hooks
     def local_spec(self, state: ServerState, ctx: RunContext, clients: np.ndarray, round: int) -> LocalSpec:
@@ -333,9 +243,7 @@ class IFCA(Algorithm):
         everyone = np.zeros(len(result.clients), np.int64)
         one = {k: state.models[k][:1] for k in self.shared}
         if self.option == "model":
-            w = self.weights(result, np.arange(len(result.clients)))
-            value = {k: (w.to(result.params[k].dtype) @ result.params[k].reshape(len(everyone), -1))
-                     .reshape(result.params[k].shape[1:]) for k in self.shared}
+            value = weighted_mean({k: result.params[k] for k in self.shared}, self.weights(result, np.arange(len(everyone))))
         else:
             value = {k: v[0] for k, v in self.gradient_step(state.replace(models=one), result, everyone,
                                                               ctx.num_clients, self.shared).items()}
@@ -364,96 +272,3 @@ class IFCA(Algorithm):
     def comm_bytes(self, state, clients):
         down, up = super().comm_bytes(state, clients)
         return down * state.k, up  # all k models go down, one comes back
-
-
-# ---------------------------------------------------------------------- one-shot clustering (Alg. 1)
-
-
-def least_squares(ctx: RunContext, clients: np.ndarray) -> dict[str, torch.Tensor]:
-    """θ̃_i = argmin_θ ‖X_i θ − y_i‖² for the linear model (float64 ``lstsq``; the minimum-norm
-    solution when n_i < d), stacked as its one parameter."""
-    (name, p), = ctx.model.named_parameters()
-    rows = []
-    for c in clients:
-        x, y = ctx.data.train.client(int(c))
-        x = x.reshape(len(x), -1).double().cpu()
-        rows.append(torch.linalg.lstsq(x, y.double().cpu().reshape(-1, 1), driver="gelsd").solution.reshape(p.shape))
-    return {name: torch.stack(rows).to(p.dtype)}
-
-
-class IFCAOneShot(OneShotClustering):
-    """IFCA's one-shot clustering (Ghosh et al., Algorithm 1; spec §2.2).
-
-    Before round 0 every federating client computes a local ERM θ̃_i (``algorithm.erm``):
-    ``least_squares`` (the closed form, for the linear model), or ``sgd``: ``erm_epochs``
-    epochs of local SGD (``train.lr``, ``train.batch_size``) from the common start θ_0, for any
-    classifier (``auto``: least squares for the linear model, else SGD). [lib] We use the
-    model's own ERM rather than the FEMNIST code's scikit-learn LogisticRegression, so the
-    method works for every architecture (with ``model.name=mclr`` SGD approximates the same
-    logistic-regression ERM). Each client uploads θ̃_i (counted in the pre-federation bytes);
-    the server runs k-means (scikit-learn, ``n_init=10``, ``random_state=seed``) on the
-    flattened solutions; then FedAvg (``weighting``, samples by default) inside each cluster,
-    with the assignment frozen. Cluster j starts at the mean of its members' θ̃_i
-    (``start=cluster_mean``) or at θ_0 (``init``). A newcomer computes its ERM and joins the
-    nearest k-means centre."""
-
-    name = "ifca_oneshot"
-    paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088 (Alg. 1)"
-    hyperparameters = (
-        weighting("samples"),
-        integer("k", 2, "number of k-means clusters", "k", ge=1),
-        choice("erm", "auto", ("auto", "least_squares", "sgd"), "local ERM: closed-form least squares (linear model), "
-               "local SGD from θ_0, or auto (least squares for the linear model, else SGD)"),
-        integer("erm_epochs", 5, "erm=sgd: local epochs of the ERM pass", ge=1),
-        choice("start", "cluster_mean", ("cluster_mean", "init"), "where cluster j's model starts: the mean of its "
-               "members' ERM solutions, or θ_0"),
-    )
-
-    @classmethod
-    def check_config(cls, cfg):
-        if cfg.algorithm.erm == "least_squares" and cfg.model.name != "linear":
-            raise ValueError(f"algorithm.erm: least_squares is the closed form of the linear model; model.name="
-                             f"{cfg.model.name} needs erm=sgd (or auto)")
-
-    def erm_kind(self) -> str:
-        e = self.cfg.algorithm.erm
-        return ("least_squares" if self.cfg.model.name == "linear" else "sgd") if e == "auto" else e
-
-    def local_erm(self, state: ServerState, ctx: RunContext, clients: np.ndarray, stream: str) -> dict[str, torch.Tensor]:
-        if self.erm_kind() == "least_squares":
-            return least_squares(ctx, clients)
-        return train_from(ctx, state, state.algo["theta0"], clients, epochs=self.cfg.algorithm.erm_epochs, stream=stream).params
-
-    def pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
-        a = self.cfg.algorithm
-        if len(ctx.seen) < a.k:
-            raise ConfigError(f"algorithm.k: {a.k} clusters need at least {a.k} federating clients; lower it")
-        theta0 = {k: v[0].clone() for k, v in state.models.items()}
-        state = state.replace(algo={**state.algo, "theta0": theta0})
-        params = self.local_erm(state, ctx, ctx.seen, "erm")
-        names = list(theta0)
-        x = flat(params, names).numpy()
-        labels = clustering.kmeans_labels(x, a.k, ctx.seed)
-        state = self.clustered_state(state, ctx, labels, {"centres": torch.from_numpy(kmeans_centres(x, labels, int(labels.max()) + 1))})
-        if a.start == "cluster_mean":
-            sizes = ctx.data.train.sizes[ctx.seen]
-            models = {k: v.clone() for k, v in state.models.items()}
-            for j in range(state.k):
-                members = np.flatnonzero(labels == j)
-                w = sizes[members].astype(np.float64) if self.weighting == "samples" else np.ones(len(members))
-                w = torch.from_numpy(w / w.sum()).to(torch.float32)
-                for k in names:
-                    p = params[k][torch.from_numpy(members)]
-                    models[k][j] = (w.to(device=p.device, dtype=p.dtype) @ p.reshape(len(members), -1)).reshape(p.shape[1:])
-            state = state.replace(models=models)
-        per_model = self.model_bytes(state)
-        down = len(ctx.seen) * per_model if self.erm_kind() == "sgd" else 0  # θ_0 goes down for the SGD pass
-        state.meta["pre_federation_bytes"] = {"up": len(ctx.seen) * per_model, "down": down}
-        return state
-
-    def admit_newcomers(self, state, ctx, newcomers):
-        names = list(state.algo["theta0"])
-        x = flat(self.local_erm(state, ctx, newcomers, "newcomer/erm"), names)
-        centres = state.algo["centres"]
-        assign = torch.cdist(x, centres.to(x.dtype)).argmin(1).numpy().astype(np.int64)
-        return state, assign, "nearest k-means centre of its local ERM"

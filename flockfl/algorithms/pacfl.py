@@ -116,8 +116,8 @@ class PACFL(OneShotClustering):
             "beta_used": torch.tensor(float(beta) if self.cfg.algorithm.k is None else float("nan")),
         })
         # each client uploads its signature once (float32); nothing comes down but a cluster id
-        state.meta["pre_federation_bytes"] = {"up": sum(signature_floats(s) * 4 for s in sigs), "down": 0}
-        return state
+        return state.replace(meta={**state.meta, "pre_federation_bytes": {"up": sum(signature_floats(s) * 4 for s in sigs),
+                                                                          "down": 0}})
 
     def admit_newcomers(self, state, ctx, newcomers):
         a = self.cfg.algorithm

@@ -87,6 +87,11 @@ def kmeans_labels(x: np.ndarray, k: int, seed: int) -> np.ndarray:
     return renumber(km.labels_)
 
 
+def kmeans_centres(x: np.ndarray, labels: np.ndarray, k: int) -> np.ndarray:
+    """The mean of each cluster's rows (k-means' centres at convergence), [k, D]; NaN for an empty cluster."""
+    return np.stack([x[labels == j].mean(0) if (labels == j).any() else np.full(x.shape[1], np.nan) for j in range(k)])
+
+
 def threshold_clusters(sim: np.ndarray, beta: float) -> list[np.ndarray]:
     """FLIS-DC's overlapping clusters (Alg. 5): C_i = sorted({j : sim[i, j] ≥ β} ∪ {i}), one per row.
 

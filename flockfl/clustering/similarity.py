@@ -5,11 +5,14 @@
 - Label proportions (FedSC's data attribute I_i) and the label EMD used to measure label skew
   (NIID-Bench, thesis Table 5.3).
 - ARI / NMI against a ground truth (scikit-learn).
+- Embeddings of client updates for clustering: FlexCFL's EDC (Eq. 7) and IFCA's pre-training
+  embeddings (per-layer unit blocks, raw updates, EDC).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 SIMILARITY_FORMS = ("cosine_sum", "frobenius_hadamard")
 
@@ -121,3 +124,17 @@ def edc_embedding(delta: np.ndarray, m: int, route: str = "gram", seed: int = 0)
         cn = np.linalg.norm(comps, axis=0)
         return (delta @ comps) / (safe[:, None] * np.where(cn > 0, cn, 1.0)[None, :])
     raise ValueError(f"edc_embedding: unknown route {route!r}; use gram or svd")
+
+
+def update_embedding(blocks: list[torch.Tensor], how: str, k: int) -> np.ndarray:
+    """The rows k-means clusters, from client updates Δ_i given as per-parameter blocks (float64
+    [C, d_l], one per parameter, side by side they are Δ_i flattened):
+
+    - ``layers``: each block scaled to unit norm, the blocks side by side; every layer's update
+      *direction* counts once, whatever its size or step length;
+    - ``updates``: Δ_i flattened;
+    - ``edc``: FlexCFL's EDC embedding of Δ_i (:func:`edc_embedding` with m = k)."""
+    if how == "layers":
+        return torch.cat([b / b.norm(dim=1, keepdim=True).clamp_min(1e-300) for b in blocks], 1).numpy()
+    updates = torch.cat(blocks, 1)
+    return edc_embedding(updates.numpy(), k) if how == "edc" else updates.numpy()
