@@ -24,6 +24,9 @@ class RunContext:
     data: ClientData
     truth: dict = field(default_factory=dict)  # ground truth known to the generator (e.g. θ*)
     system: Optional[SystemProfile] = None  # simulated client speeds; drawn from cfg.system if not given
+    # files the algorithm's config names, read by the run's preparation (``Algorithm.input_files``,
+    # ``flockfl.rounds.read_inputs``): an algorithm never opens a file itself
+    inputs: dict = field(default_factory=dict)
     # clients that federate, and the newcomers (partition.unseen_fraction) that join afterwards
     seen: np.ndarray = field(init=False)
     unseen: np.ndarray = field(init=False)

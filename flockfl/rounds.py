@@ -58,16 +58,31 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
-    ctx = RunContext(cfg, model, data, truth)
-    return PreparedRun(cfg, ctx, build_algorithm(cfg), path, part.content_hash, cached, threads,
+    algorithm = build_algorithm(cfg)
+    ctx = RunContext(cfg, model, data, truth, inputs=read_inputs(algorithm))
+    return PreparedRun(cfg, ctx, algorithm, path, part.content_hash, cached, threads,
                        info={"heterogeneity": dict(part.info.get("heterogeneity") or {})}, stages=build_stages(cfg, model))
+
+
+def read_inputs(algorithm: Algorithm) -> dict:
+    """The files the algorithm's config names (``Algorithm.input_files``), read here so that
+    no hook opens a file; an unreadable one is a one-line ConfigError."""
+    out = {}
+    for key, path in algorithm.input_files().items():
+        try:
+            out[key] = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ConfigError(f"algorithm.{key}: cannot read {path} ({type(err).__name__}); "
+                              "save k stacked models with torch.save") from None
+    return out
 
 
 def prepare_data(cfg: ExperimentConfig, data: ClientData, model: Optional[torch.nn.Module] = None) -> PreparedRun:
     """A run on client data built elsewhere (a synthetic problem such as
     ``flockfl.data.lsq.hetero_lsq``, a test's clients): no dataset, no partition store."""
     model = model or build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden)
-    return PreparedRun(cfg, RunContext(cfg, model, data), build_algorithm(cfg), None, "", False, 1,
+    algorithm = build_algorithm(cfg)
+    return PreparedRun(cfg, RunContext(cfg, model, data, inputs=read_inputs(algorithm)), algorithm, None, "", False, 1,
                        stages=build_stages(cfg, model))
 
 

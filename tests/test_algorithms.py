@@ -8,6 +8,7 @@ import torch
 
 from flockfl.algorithms.ifca import IFCA
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
+from flockfl.errors import ConfigError
 from flockfl.experiments import validate
 from flockfl.engine import LocalSpec, TrainResult, train_reference
 from flockfl.rounds import prepare, run_round, run_rounds
@@ -186,5 +187,16 @@ def test_ifca_given_init_loads_k_models(tmp_path):
     models = prep.algorithm.init_state(prep.ctx).models
     torch.save({k: v * 0 + 0.5 for k, v in models.items()}, tmp_path / "init.pt")
     cfg2 = validate(tiny_config(algorithm={"name": "ifca", "k": 2, "init": "given", "init_path": str(tmp_path / "init.pt")}))
-    state = prepare(cfg2, tmp_path).algorithm.init_state(prep.ctx)
+    prep2 = prepare(cfg2, tmp_path)  # the run's preparation reads the file, the algorithm only gets its models
+    assert set(prep2.ctx.inputs) == {"init_path"}
+    state = prep2.algorithm.init_state(prep2.ctx)
     assert all(torch.all(v == 0.5) for v in state.models.values())
+    (tmp_path / "bad.pt").write_text("not a checkpoint")
+    bad = validate(tiny_config(algorithm={"name": "ifca", "k": 2, "init": "given", "init_path": str(tmp_path / "bad.pt")}))
+    with pytest.raises(ConfigError, match=r"^algorithm.init_path: cannot read .*bad.pt"):
+        prepare(bad, tmp_path)
+    torch.save({k: v[:1] for k, v in models.items()}, tmp_path / "one.pt")  # one model where k=2 are needed
+    one = validate(tiny_config(algorithm={"name": "ifca", "k": 2, "init": "given", "init_path": str(tmp_path / "one.pt")}))
+    with pytest.raises(ConfigError, match="does not hold 2 models"):
+        prep3 = prepare(one, tmp_path)
+        prep3.algorithm.init_state(prep3.ctx)

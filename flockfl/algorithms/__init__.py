@@ -1,7 +1,6 @@
 """Algorithms, keyed by their registry name (``algorithm.name``)."""
 
 from flockfl.algorithms.base import Algorithm
-from flockfl.context import RunContext
 from flockfl.algorithms.ccfl import CCFL
 from flockfl.algorithms.fedavg import FedAvg
 from flockfl.algorithms.fedavgm import FedAvgM
@@ -57,7 +56,7 @@ def describe(name: str) -> dict:
 
 
 def algorithm_table() -> str:
-    """README's algorithm table, generated from the declarations (a test keeps README in step)."""
+    """docs/algorithms.md's algorithm table, generated from the declarations (a test keeps it in step)."""
     lines = ["| name | paper | hyper-parameters (default) | stages it overrides |", "|---|---|---|---|"]
     for name in ALGORITHMS:
         d = describe(name)

@@ -25,7 +25,7 @@ import torch
 
 from flockfl.aggregation import mean_weights, rows, weighted_mean
 from flockfl.algorithms.hyper import Hyper, declared, weighting
-from flockfl.client import pass_spec, round_spec
+from flockfl.client import finetune_epochs, pass_spec, round_spec
 from flockfl.clientstate import chunks, joined
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext
@@ -47,7 +47,7 @@ class Algorithm:
     # the algorithm.* keys this class reads (a subclass adds or redeclares; see hyper.py)
     hyperparameters: tuple[Hyper, ...] = (weighting("samples"),)
     # top-level keys of ``state.algo`` whose tensors live on the run's device (with the models):
-    # a resumed run moves them back there (see ``flockfl.rounds.on_device``); dicts keyed by
+    # a resumed run moves them back there (see ``flockfl.state.on_device``); dicts keyed by
     # parameter names (server moments, control variates) need no entry
     device_state_keys: tuple[str, ...] = ()
 
@@ -62,6 +62,11 @@ class Algorithm:
 
         Each hyper-parameter's own range is declared in ``hyperparameters`` and checked
         before this is called."""
+
+    def input_files(self) -> dict[str, str]:
+        """The files this configuration needs, ``algorithm.*`` key → path (IFCA's init=given):
+        the run's preparation reads each (``torch.load``) into ``ctx.inputs[key]``."""
+        return {}
 
     def hp(self, key: str) -> Any:
         """A hyper-parameter's value (the configured one, or its declared default)."""
@@ -233,10 +238,9 @@ class Algorithm:
         """``train.finetune_epochs`` epochs of plain local SGD for each listed client, from
         its ``own_models`` row (the thesis's "after its last local training" convention)."""
         t = self.cfg.train
-        epochs = t.local_epochs if t.finetune_epochs is None else t.finetune_epochs
         clients = np.asarray(clients, np.int64)
         init = self.own_models(state, ctx, clients, np.asarray(assign, np.int64))
-        spec = pass_spec(t, clients, init, epochs, stream=stream, momentum=t.momentum if self.finetune_momentum else 0.0)
+        spec = pass_spec(t, clients, init, finetune_epochs(t), stream=stream, momentum=t.momentum if self.finetune_momentum else 0.0)
         return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
 
     # ------------------------------------------------------------------ accounting

@@ -89,6 +89,7 @@ from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
 from flockfl.algorithms.layout import Layout, split_layout
+from flockfl.client import round_spec
 from flockfl.clientstate import ClientTable
 from flockfl.clustering.lrcos import coordinates, e_step, em_step, lrcos, pca_map
 from flockfl.context import RunContext
@@ -214,8 +215,7 @@ class FedAC(Algorithm):
             for n in lay.embedding:
                 anchor[n] = (mu * anchor[n] + lam * phi[n]) / (mu + lam)
                 prox[n] = mu + lam
-        spec = LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
-                         meta={"model_of_client": which}, client_epochs=self.local_work(ctx, clients, round))
+        spec = round_spec(t, clients, init, meta={"model_of_client": which}, client_epochs=self.local_work(ctx, clients, round))
         if any(prox.values()):
             spec.prox_mu, spec.prox_anchor = prox, anchor
         return spec

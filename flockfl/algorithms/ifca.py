@@ -56,7 +56,6 @@ assignments are compared with the true groups by ARI/NMI.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,7 +66,7 @@ from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, text, weighting
 from flockfl.algorithms.layout import parameter_names, shared_parameters, tie
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
-from flockfl.client import train_from
+from flockfl.client import round_spec, train_from
 from flockfl.context import RunContext
 from flockfl.engine.functional import index_params, stack
 from flockfl.engine.schedule import LocalSpec
@@ -141,14 +140,14 @@ class IFCA(Algorithm):
         return tie(stack([self.draw_model(ctx, torch_generator(ctx.seed, client=j, purpose=purpose))
                           for j in range(self.num_models)]), self.shared)
 
+    def input_files(self) -> dict[str, str]:
+        a = self.cfg.algorithm
+        return {"init_path": a.init_path} if a.init == "given" else {}
+
     def given_models(self, ctx: RunContext) -> dict[str, torch.Tensor]:
-        """init=given: the k stacked models of the file ``algorithm.init_path`` (the only file an
-        algorithm reads; the run's preparation should read it and hand the models in)."""
-        path = Path(self.cfg.algorithm.init_path)
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise ConfigError(f"algorithm.init_path: cannot read {path} ({type(err).__name__}); save k stacked models with torch.save") from None
+        """init=given: the k stacked models of the file ``algorithm.init_path`` (read by the run's
+        preparation into ``ctx.inputs``)."""
+        path, obj = self.cfg.algorithm.init_path, ctx.inputs["init_path"]
         if isinstance(obj, list):
             obj = stack(obj)
         names = {n: p.shape for n, p in ctx.model.named_parameters()}
@@ -227,9 +226,8 @@ class IFCA(Algorithm):
         if self.option == "gradient":
             return LocalSpec(clients, init, t.lr, epochs=1, steps=1, full_batch=True,
                              meta={"model_of_client": chosen, "cluster_losses": losses})
-        return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
-                         meta={"model_of_client": chosen, "cluster_losses": losses},
-                         client_epochs=self.local_work(ctx, clients, round))
+        return round_spec(t, clients, init, meta={"model_of_client": chosen, "cluster_losses": losses},
+                          client_epochs=self.local_work(ctx, clients, round))
 
     def aggregate(self, state, ctx, spec, result, assign):
         if self.option == "model":
