@@ -2,6 +2,7 @@
 
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.ccfl import CCFL
+from flockfl.algorithms.cfl import CFL
 from flockfl.algorithms.fedavg import FedAvg
 from flockfl.algorithms.fedavgm import FedAvgM
 from flockfl.algorithms.fedeff import FedEff
@@ -27,7 +28,7 @@ from flockfl.algorithms.scaffold import Scaffold
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
     for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff,
-                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM)
+                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL)
 }
 
 
