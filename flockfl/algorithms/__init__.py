@@ -24,11 +24,17 @@ from flockfl.algorithms.local import Local
 from flockfl.algorithms.pacfl import PACFL
 from flockfl.algorithms.hyper import declared
 from flockfl.algorithms.scaffold import Scaffold
+from flockfl.algorithms.fedbabu import FedBABU
+from flockfl.algorithms.fedbn import FedBN
+from flockfl.algorithms.fedper import FedPer
+from flockfl.algorithms.fedrep import FedRep
+from flockfl.algorithms.lg_fedavg import LGFedAvg
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
     for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff,
-                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL)
+                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL,
+                FedPer, LGFedAvg, FedRep, FedBABU, FedBN)
 }
 
 
