@@ -29,12 +29,16 @@ from flockfl.algorithms.fedbn import FedBN
 from flockfl.algorithms.fedper import FedPer
 from flockfl.algorithms.fedrep import FedRep
 from flockfl.algorithms.lg_fedavg import LGFedAvg
+from flockfl.algorithms.ditto import Ditto
+from flockfl.algorithms.apfl import APFL
+from flockfl.algorithms.perfedavg import PerFedAvg
+from flockfl.algorithms.pfedme import PFedMe
 
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
     for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff,
                 CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL,
-                FedPer, LGFedAvg, FedRep, FedBABU, FedBN)
+                FedPer, LGFedAvg, FedRep, FedBABU, FedBN, Ditto, APFL, PerFedAvg, PFedMe)
 }
 
 

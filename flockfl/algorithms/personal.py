@@ -26,11 +26,12 @@ reported (FedBABU, whose head is the init by design, adds ``accuracy_global``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
@@ -40,6 +41,8 @@ from flockfl.clientstate import ClientTable, chunks, joined
 from flockfl.engine import TRAINERS
 from flockfl.engine.schedule import LocalSpec, restrict
 from flockfl.engine.trainers import TrainResult
+from flockfl.engine.functional import per_sample_loss
+from flockfl.engine.trainers import stat_names
 from flockfl.evaluation import own_model_metrics, summarise_clients
 from models import WeightedBatchNorm2d, build_model
 
@@ -206,3 +209,92 @@ class PartialSharing(Algorithm):
 
     def admit_newcomers(self, state, ctx, newcomers):
         return state, self.eval_assignment(state, ctx)[newcomers], "the shared layers + the init personal layers"
+
+
+# ---------------------------------------------------------------------- a whole personal model per client
+
+
+def broadcast(models: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """The (single) global model as a stacked view of ``n`` copies."""
+    return {k: v[:1].expand(n, *v.shape[1:]) for k, v in models.items()}
+
+
+def gradient(model: nn.Module, names: list[str], task: str) -> Callable[[dict, Any, Any], dict]:
+    """``grad(params, x, y)``: the gradient of the mean loss on (x, y) w.r.t. the parameters
+    ``names`` (one client, plain PyTorch; the per-client loops of APFL, Per-FedAvg and pFedMe)."""
+
+    def grad(p: dict, x, y) -> dict:
+        with torch.enable_grad():
+            leaves = {k: p[k].detach().requires_grad_(True) for k in names}
+            loss = per_sample_loss(functional_call(model, {**p, **leaves}, (x,)), y, task).mean()
+            return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
+
+    return grad
+
+
+def trained_names(model: nn.Module, keys) -> list[str]:
+    """The keys that SGD trains (not BatchNorm statistics)."""
+    frozen = set(stat_names(model))
+    return [k for k in keys if k not in frozen]
+
+
+class PersonalModels(PartialSharing):
+    """A whole personal model per client beside the global model, which is plain FedAvg (Ditto,
+    APFL, pFedMe; Per-FedAvg keeps none: ``keeps_rows = False``). The personal models are rows of
+    a :class:`ClientTable` (``state.algo['personal']``; a client never seen uses the current
+    global w); ``local_spec`` puts the cohort's new rows in ``spec.meta['personal']`` and
+    ``aggregate`` writes those of the clients that trained. Everything travels as in FedAvg."""
+
+    layers_key = ""
+    keeps_rows = True
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        pass
+
+    def extra_row(self) -> dict[str, torch.Tensor]:
+        """Per-client values kept beside the model (APFL's α_i)."""
+        return {}
+
+    def init_state(self, ctx):
+        state = Algorithm.init_state(self, ctx)
+        state = state.replace(meta={**state.meta, "personal_layers": []})
+        if not self.keeps_rows:
+            return state
+        row = {**{k: v[0] for k, v in state.models.items()}, **self.extra_row()}
+        return state.replace(algo={"personal": ClientTable(ctx.num_clients, row)})
+
+    def personal_rows(self, state, clients) -> dict[str, torch.Tensor]:
+        """The listed clients' rows; the model part is the current w for a client never seen."""
+        clients = np.asarray(clients, np.int64)
+        device = next(iter(state.models.values())).device
+        rows = state.algo["personal"].gather(clients, device)
+        fresh = torch.from_numpy(~state.algo["personal"].written(clients)).to(device)
+        glob = broadcast(state.models, len(clients))
+        return {k: torch.where(fresh.reshape(-1, *[1] * (v.dim() - 1)), glob[k], v) if k in glob else v
+                for k, v in rows.items()}
+
+    def own_models(self, state, ctx, clients, assign):
+        rows = self.personal_rows(state, clients)
+        return {k: rows[k] for k in state.models}
+
+    def aggregate(self, state, ctx, spec, result, assign):
+        """w: FedAvg (the base); the trained clients' new rows to the table."""
+        new = Algorithm.aggregate(self, state, ctx, spec, result, assign)
+        return self.keep_rows(new, state, spec, result)
+
+    def keep_rows(self, new, state, spec, result):
+        if not self.keeps_rows:
+            return new
+        pos = {int(c): i for i, c in enumerate(spec.clients)}
+        idx = torch.tensor([pos[int(c)] for c in result.clients], dtype=torch.long)
+        rows = {k: v[idx.to(v.device)] for k, v in spec.meta["personal"].items()}
+        return new.replace(algo={**state.algo, "personal": state.algo["personal"].scatter(result.clients, rows)})
+
+    def comm_bytes(self, state, clients):
+        return Algorithm.comm_bytes(self, state, clients)
+
+    def chunk_metrics(self, state, ctx, clients, assign):
+        test, task = ctx.data.test, ctx.data.task
+        return {"": own_model_metrics(ctx.model, self.own_models(state, ctx, clients, assign), test, clients, task),
+                "_global": own_model_metrics(ctx.model, broadcast(state.models, len(clients)), test, clients, task)}

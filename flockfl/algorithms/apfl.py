@@ -1,0 +1,119 @@
+"""APFL — Deng, Kamani, Mahdavi, "Adaptive Personalized Federated Learning", arXiv 2003.13461
+(authors' code MLOPTPSU/FedTorch).
+
+Client i keeps a local model v_i and a mixing weight α_i ∈ [0, 1]; its personalised model is
+the parameter mixture v̄_i = α_i v_i + (1 − α_i) w (the paper's, and the Ditto repo's, parameter
+mixing). On every local step, with batch ξ, from the round-start global w:
+
+- w_i ← w_i − η∇f_i(w_i; ξ)   (the round's training: plain FedAvg, sample-weighted);
+- v_i ← v_i − η α_i ∇f_i(v̄_i; ξ),  v̄_i = α_i v_i + (1 − α_i) w_i;
+- adaptive α: α_i ← clip(α_i − η_α(<v_i − w_i, ∇f_i(v̄_i; ξ)> + c·α_i), 0, 1) (= ∂f_i(v̄_i)/∂α, plus
+  the codes' 0.02α when ``alpha_l2`` = 0.02).
+
+The (v_i, α_i) updates read the w_i of every step, which LocalSpec cannot express, so they run
+in a per-client plain PyTorch loop (:func:`personal_pass`) with the round's batch order
+(stream ``shuffle``) and ``train.momentum`` (heavy ball, reset every round) on w_i and v_i. The
+loop is independent of the trainer, so both trainers agree trivially on (v, α); w comes from the
+run's trainer, so α = 0 is bit-identical FedAvg. BN statistics (frozen parameters) are not mixed
+by the loop: they follow w.
+
+State: rows {v_i, α_i} in a :class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``),
+only the cohort's read and written; a client never seen starts from v = the current w (so
+v̄ = w) and α = ``alpha``. Bytes: FedAvg's 2|w|. Evaluation: ``accuracy`` (= ``accuracy_personal``)
+is v̄_i with the current w; ``accuracy_global`` is w. Newcomers start from the global w.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import Hyper, real, weighting
+from flockfl.algorithms.personal import PersonalModels, broadcast, gradient, trained_names
+from flockfl.engine.schedule import client_batches
+from flockfl.rng import np_rng
+
+ALPHA = "__alpha__"  # the row entry holding α_i
+
+
+def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha: torch.Tensor, adaptive: bool,
+                  alpha_lr: float, alpha_l2: float) -> tuple[dict, torch.Tensor]:
+    """One round of APFL's (v_i, α_i) updates for every client of ``spec`` (see the module doc)."""
+    names = trained_names(model, spec.init)
+    rho, lr = float(spec.momentum), float(spec.lr)
+    out_v = {k: x.detach().clone() for k, x in v.items()}
+    out_a = alpha.detach().clone()
+
+    grad_at = gradient(model, names, task)
+
+    for i, cid in enumerate(spec.clients):
+        x_c, y_c = data.client(int(cid))
+        batches = client_batches(len(x_c), spec, np_rng(seed, round, int(cid), spec.stream), i)
+        w = {k: t[i].detach().clone() for k, t in spec.init.items()}
+        vi = {k: out_v[k][i] for k in out_v}
+        a = float(out_a[i])
+        bw = {k: torch.zeros_like(w[k]) for k in names}
+        bv = {k: torch.zeros_like(w[k]) for k in names}
+        for idx in batches:
+            xb, yb = x_c[torch.as_tensor(idx, device=x_c.device)], y_c[torch.as_tensor(idx, device=y_c.device)]
+            vbar = {k: a * vi[k] + (1 - a) * w[k] if k in bw else w[k] for k in w}
+            g_bar, g_w = grad_at(vbar, xb, yb), grad_at(w, xb, yb)
+            if adaptive:
+                dot = sum(float(((vi[k] - w[k]) * g_bar[k]).sum()) for k in names)
+                a_next = min(1.0, max(0.0, a - alpha_lr * (dot + alpha_l2 * a)))
+            for k in names:
+                bv[k] = rho * bv[k] + a * g_bar[k]
+                bw[k] = rho * bw[k] + g_w[k]
+                vi[k] = vi[k] - lr * bv[k]
+                w[k] = w[k] - lr * bw[k]
+            if adaptive:
+                a = a_next
+        for k in out_v:
+            out_v[k][i] = vi[k] if k in bw else w[k]
+        out_a[i] = a
+    return out_v, out_a
+
+
+class APFL(PersonalModels):
+    name = "apfl"
+    paper = "Deng, Kamani, Mahdavi, Adaptive Personalized Federated Learning, arXiv 2003.13461"
+    hyperparameters = (
+        weighting("samples"),
+        real("alpha", 0.5, "initial (or fixed) mixing weight of the local model in v̄ = αv + (1−α)w (default 0.5: "
+             "FedTorch's fed_personal_alpha and the Ditto repo's APFL; 0 = FedAvg, 1 = local training)", "α", ge=0, le=1),
+        Hyper("adaptive", True, "adapt each client's α by gradient descent on f_i(v̄_i) (default true: the paper's "
+              "adaptive APFL; FedTorch's default is false)", "", "bool"),
+        real("alpha_lr", None, "step size of the α update (default null = train.lr, the paper's η_α = η)", "η_α",
+             ge=0, optional=True),
+        real("alpha_l2", 0.0, "extra term c·α in the α gradient (default 0: the paper; the codes use 0.02)", "c", ge=0),
+    )
+    def extra_row(self):
+        return {ALPHA: torch.tensor(float(self.hp("alpha")), dtype=torch.float32)}
+
+    def rows(self, state, clients) -> tuple[dict, torch.Tensor]:
+        """(v_i, α_i) of the listed clients; v = the current w for a client never seen."""
+        got = self.personal_rows(state, clients)
+        return {k: got[k] for k in state.models}, got[ALPHA]
+
+    def own_models(self, state, ctx, clients, assign):
+        """v̄_i = α_i v_i + (1 − α_i) w with the current global w."""
+        v, alpha = self.rows(state, clients)
+        glob = broadcast(state.models, len(clients))
+        return {k: alpha.reshape(-1, *[1] * (x.dim() - 1)) * x + (1 - alpha.reshape(-1, *[1] * (x.dim() - 1))) * glob[k]
+                for k, x in v.items()}
+
+    def local_spec(self, state, ctx, clients, round):
+        """FedAvg's spec for w; the (v, α) pass runs here on the same batches, its result rides in ``meta``."""
+        spec = Algorithm.local_spec(self, state, ctx, clients, round)
+        if self.cfg.train.momentum:
+            spec.momentum = self.cfg.train.momentum
+        v, alpha = self.rows(state, clients)
+        lr = self.hp("alpha_lr")
+        v, alpha = personal_pass(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round, v, alpha,
+                                 bool(self.hp("adaptive")), self.cfg.train.lr if lr is None else float(lr),
+                                 float(self.hp("alpha_l2")))
+        spec.meta = {**spec.meta, "personal": {**v, ALPHA: alpha}}
+        return spec
+
+    def admit_newcomers(self, state, ctx, newcomers):
+        return state, self.eval_assignment(state, ctx)[newcomers], "the global w (v = w, so v̄ = w)"
