@@ -143,15 +143,29 @@ def pre_federation_stage(prep: PreparedRun, state: ServerState) -> ServerState:
 def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[ServerState, LocalSpec]:
     """Choose the cohort (``select``), apply the round's distribution shift (``shift.*``), let
     the algorithm react to the data (``before_training``: FlexCFL's migration and cold start),
-    then decide how each client trains (``local_spec``)."""
+    then decide how each client trains (``local_spec``).
+
+    Called once per cycle (``state.meta['cycle']``; one cycle unless ``cycles_per_round`` says
+    more). The stages' ``select`` and ``after_select`` act on the round, so they run in its first
+    cycle only: a multi-cycle round is shifted once, and a run resumed at cycle c > 0 finds the
+    shift in the checkpointed state. A stage that replaces the cohort (a client curriculum)
+    chooses the round's cohort there; it is kept in ``state.meta['round_cohort']`` for the rest
+    of the round and every cycle trains its share of it (:func:`cycle_share`)."""
     alg, ctx, stages = prep.algorithm, prep.ctx, prep.stages.values()
     for st in stages:
         st.sync(ctx, state)
     clients = alg.select(state, ctx, round)
-    for st in stages:
-        clients = st.select(ctx, state, alg, clients, round)
-    for st in stages:
-        state = st.after_select(ctx, alg, state, round)
+    if int(state.meta.get("cycle", 0)) == 0:  # round-level hooks: once per round
+        drawn = clients
+        for st in stages:
+            clients = st.select(ctx, state, alg, clients, round)
+        for st in stages:
+            state = st.after_select(ctx, alg, state, round)
+        if any(st.replaces_cohort for st in stages) and alg.cycles_per_round(state, ctx) > 1:
+            state = state.replace(meta={**state.meta, ROUND_COHORT: [int(c) for c in clients]})
+            clients = drawn
+    if ROUND_COHORT in state.meta:
+        clients = cycle_share(alg, state, ctx, round, np.asarray(state.meta[ROUND_COHORT], np.int64), clients)
     state = alg.before_training(state, ctx, clients, round)
     spec = alg.local_spec(state, ctx, clients, round)
     if ctx.cfg.train.momentum and not spec.momentum:  # train.momentum: local momentum for any algorithm
@@ -160,6 +174,21 @@ def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[Ser
         spec = st.on_spec(ctx, state, spec, round)
     maybe_crash("select", round)
     return state, spec
+
+
+ROUND_COHORT = "round_cohort"  # state.meta: a stage's cohort of a multi-cycle round (dropped when the round ends)
+
+
+def cycle_share(alg: Algorithm, state: ServerState, ctx: RunContext, round: int, cohort: np.ndarray,
+                drawn: np.ndarray) -> np.ndarray:
+    """The part of the round's cohort (chosen once per round by a stage) that the running cycle
+    trains: its members among the clients the algorithm's cycle draws from
+    (``cycle_candidates``: FedCluster's cluster σ_j(K)), or, for an algorithm that names none,
+    among the cycle's own draw ``drawn``. Over FedCluster's M cycles the shares partition the
+    cohort: every client of it trains exactly once in the round."""
+    pool = alg.cycle_candidates(state, ctx, round)
+    pool = drawn if pool is None else pool
+    return np.intersect1d(cohort, np.asarray(pool, np.int64)).astype(np.int64)
 
 
 def train_stage(prep: PreparedRun, spec: LocalSpec, engine: str, round: int) -> tuple[Optional[TrainResult], list[int]]:
@@ -268,10 +297,15 @@ class RoundWork:
     sim: float = 0.0
     thesis: float = 0.0  # pruning: the thesis's communication figure (spec §2.8)
 
-    def add(self, prep: PreparedRun, state: ServerState, clients: np.ndarray, dropped: list[int],
-            result: Optional[TrainResult]) -> None:
+    def add(self, prep: PreparedRun, received: ServerState, state: ServerState, clients: np.ndarray,
+            dropped: list[int], result: Optional[TrainResult]) -> None:
+        """Account one cycle: ``received`` is the state the cohort downloaded (after selection),
+        ``state`` the one after aggregation. The download is charged on what was sent (FLIS-DC's
+        T_t models, not the T_{t+1} the round made; a k that clustering changes), the upload on
+        the state after aggregation (DIFCA's token holders are chosen there)."""
         alg = prep.algorithm
-        down, up = alg.comm_bytes(state, clients)
+        down, _ = alg.comm_bytes(received, clients)
+        _, up = alg.comm_bytes(state, clients)
         trained = result.clients if result is not None else np.zeros(0, np.int64)
         steps = result.num_steps if result is not None else np.zeros(0)
         self.clients += [int(c) for c in clients]
@@ -296,8 +330,8 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
     last = state.history[-1] if state.history else {}
     sim_total = last.get("sim_time", 0.0) + work.sim
     row = {k: v for k, v in (metrics or {}).items() if not k.startswith("_")}
-    meta = {k: v for k, v in state.meta.items() if k not in ("round_log", "cycle", "partial_round")}
-    row.update(state.meta.get("round_log") or {})
+    meta = {k: v for k, v in state.meta.items() if k not in ("round_log", "cycle", "partial_round", ROUND_COHORT)}
+    row.update({k: v for k, v in (state.meta.get("round_log") or {}).items() if not k.startswith("_")})
     row.update({"round": state.round + 1, "clients": len(work.clients), "clients_dropped": len(work.dropped),
                 "bytes_down": work.down, "bytes_up": work.up, "bytes_total": work.down + work.up, "round_time_s": wall,
                 "sim_round_time": work.sim, "sim_time": sim_total,
@@ -322,6 +356,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     for c in range(work.cycle, cycles):
         state = state.replace(meta={**{k: v for k, v in state.meta.items() if k != "partial_round"}, "cycle": c})
         state, spec = stages.select(prep, state, round)
+        received = state  # what the cohort downloaded
         engine = pick_engine(prep, state, spec)
         result, dropped = stages.train(prep, spec, engine, round)
         maybe_crash("train", round)
@@ -329,7 +364,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
             kept = restrict_spec(spec, result.clients)
             assign = stages.cluster(prep, state, kept, result)
             state = stages.aggregate(prep, state, kept, result, assign, round)
-        work.add(prep, state, spec.clients, dropped, result)
+        work.add(prep, received, state, spec.clients, dropped, result)
         if c + 1 < cycles:
             work.cycle = c + 1
             state = state.replace(meta={**state.meta, "partial_round": dataclasses.asdict(work)})

@@ -63,6 +63,9 @@ STAGES: dict[str, dict] = {
     "pruning_hybrid_ifca": {"model": {"name": "lenet5_bn"}, "algorithm": {"name": "ifca", **K2},
                             "pruning": {"method": "hybrid", "acc_threshold": 0.0}},
     "shift_swap_all": {"shift": {"kind": "swap_all", "probability": 0.5}},
+    # stages act once per round, not per cycle: one shift per round, the client curriculum's cohort split by the cycles
+    "fedcluster_shift_curriculum": {"algorithm": {"name": "fedcluster", "k": 2}, "shift": {"kind": "swap_all", "probability": 0.5},
+                                    "curriculum": {"clients": True, "ordering": "curr", "b": 0.5}},
     "shift_incremental_flexcfl": {"algorithm": {"name": "flexcfl"}, "shift": {"kind": "incremental", "every": 1, "release": 0.5}},
     "newcomers_pacfl": {"partition": {"unseen_fraction": 0.25}, "train": {"clients_per_round": 6},
                         "algorithm": {"name": "pacfl"}},
@@ -71,7 +74,7 @@ STAGES: dict[str, dict] = {
 
 # resumed after round 2 of 4 from a checkpoint, in a fresh context
 RESUME = ["fedavg", "scaffold", "ifca", "fedcluster", "fedac", "flexcfl", "curriculum_clients", "pruning_unstructured",
-          "shift_swap_all"]
+          "shift_swap_all", "fedcluster_shift_curriculum"]
 
 
 def cases() -> dict[str, dict]:

@@ -118,6 +118,12 @@ class Algorithm:
         ``state.meta['cycle']`` and checkpoints after each, so a resume can start mid-round."""
         return 1
 
+    def cycle_candidates(self, state: ServerState, ctx: RunContext, round: int) -> np.ndarray | None:
+        """The clients the running cycle of a multi-cycle round draws from (FedCluster: cluster
+        σ(K)); a stage that chose the round's cohort once has each cycle train the cohort's
+        members among them. None: the cycle's own draw."""
+        return None
+
     def shift_pool(self, state: ServerState, ctx: RunContext) -> np.ndarray:
         """The clients a distribution shift may touch (every federating client; FlexCFL: the
         clients already in a group)."""

@@ -21,6 +21,13 @@ Cycles are sub-rounds of the round driver (``cycles_per_round``): the running cy
 ``state.meta['cycle']`` and a checkpoint is written after every cycle, so a run killed
 mid-round resumes at the next cycle, bit-identically. With M = 1 the single cycle draws its
 cohort from FedAvg's stream, so FedCluster(M=1) is FedAvg (equal state digests).
+
+Stages act once per round, not per cycle (``flockfl.stages.base``): a distribution shift
+happens in the first cycle, before σ_j(1)'s training, and holds for the whole round. A client
+curriculum chooses the round's cohort once (``train.clients_per_round`` clients of its paced
+pool, as under FedAvg) and cycle K trains the cohort's members of cluster σ_j(K) (so
+``per_cycle`` does not apply): the curriculum decides who trains this round, FedCluster the
+order and the M sequential updates, and every client still trains at most once per round.
 """
 
 from __future__ import annotations
@@ -88,12 +95,19 @@ class FedCluster(Algorithm):
             return np.arange(m)
         return np_rng(ctx.seed, round, purpose="fedcluster/order").permutation(m)
 
+    def cycle_candidates(self, state, ctx, round: int) -> np.ndarray:
+        """The clients the running cycle (``state.meta['cycle']``) draws from: cluster σ_j(K).
+        A stage that chooses the round's cohort itself (a client curriculum) has each cycle
+        train the cohort's members of this cluster (``flockfl.rounds.cycle_share``)."""
+        cycle = int(state.meta.get("cycle", 0))
+        return np.flatnonzero(self.clusters(ctx) == self.order(state, ctx, round)[cycle])
+
     def select(self, state, ctx, round):
         cycle = int(state.meta.get("cycle", 0))
         m = self.num_device_clusters(ctx)
         if m == 1:  # FedAvg's own draw: FedCluster(M=1) is FedAvg
             return super().select(state, ctx, round)
-        members = np.flatnonzero(self.clusters(ctx) == self.order(state, ctx, round)[cycle])
+        members = self.cycle_candidates(state, ctx, round)
         size = self.hp("per_cycle") or max(1, self.cfg.train.clients_per_round // m)
         rng = np_rng(ctx.seed, round, purpose=f"select/cycle{cycle}")
         return np.sort(rng.choice(members, size=min(size, len(members)), replace=False))

@@ -5,7 +5,10 @@ k models are broadcast to every selected client. Each client picks the model wit
 lowest loss on its full local training set (ties → lowest index) and trains it:
 
 - option I (``algorithm.option=gradient``): one full-batch gradient; the server applies
-  θ_j ← θ_j − (γ/m) Σ_{i∈S_t} s_ij g_i, dividing by m = *all* clients as in the paper;
+  θ_j ← θ_j − (γ/m) Σ_{i∈S_t} s_ij g_i, dividing by m = *all* the m workers as in the paper
+  (not |S_t|): the clients that federate, ``ctx.seen`` (newcomers, ``partition.unseen_fraction``,
+  are not among the paper's m workers: they never train). A data curriculum cannot pace its
+  full batch, so ``curriculum.ordering`` must stay ``vanilla``;
 - option II (``algorithm.option=model``, default): τ local steps (``train.local_*``); the
   server averages the returned models per cluster (uniform by default, as in the paper;
   ``algorithm.weighting=samples`` as in the FEMNIST code). A cluster nobody chose keeps
@@ -109,6 +112,10 @@ class IFCA(Algorithm):
         if a.init == "pretrain_kmeans" and a.pretrain_clients is not None and a.pretrain_clients < a.k:
             raise ValueError(f"algorithm.pretrain_clients: {a.pretrain_clients} clients cannot seed k={a.k} clusters; "
                              f"give at least {a.k} (or null)")
+        if a.option == "gradient" and cfg.curriculum.ordering != "vanilla":
+            raise ValueError("curriculum.ordering: IFCA option I (algorithm.option=gradient) takes one full-batch "
+                             "gradient, which a data curriculum cannot pace; use curriculum.ordering=vanilla or "
+                             "algorithm.option=model")
         n = cfg.partition.num_clients
         if a.init == "pretrain_kmeans" and a.pretrain_clients is not None and n is not None and a.pretrain_clients > n:
             raise ValueError(f"algorithm.pretrain_clients: {a.pretrain_clients} exceeds partition.num_clients={n}; "
@@ -233,7 +240,7 @@ class IFCA(Algorithm):
         if self.option == "model":
             new = super().aggregate(state, ctx, spec, result, assign)
         else:
-            new = self._with_assignments(state, self.gradient_step(state, result, assign, ctx.num_clients),
+            new = self._with_assignments(state, self.gradient_step(state, result, assign, len(ctx.seen)),
                                          result.clients, assign)
         if not self.shared:
             return new
@@ -244,11 +251,12 @@ class IFCA(Algorithm):
             value = weighted_mean({k: result.params[k] for k in self.shared}, self.weights(result, np.arange(len(everyone))))
         else:
             value = {k: v[0] for k, v in self.gradient_step(state.replace(models=one), result, everyone,
-                                                              ctx.num_clients, self.shared).items()}
+                                                              len(ctx.seen), self.shared).items()}
         return new.replace(models=tie(new.models, self.shared, value))
 
     def gradient_step(self, state, result, assign, m, names=None) -> dict[str, torch.Tensor]:
-        """Option I: θ_j ← θ_j − (1/m) Σ_{i: ĵ=j} (θ_j − θ̃_i), where θ_j − θ̃_i = γ g_i."""
+        """Option I: θ_j ← θ_j − (1/m) Σ_{i: ĵ=j} (θ_j − θ̃_i), where θ_j − θ̃_i = γ g_i and m is
+        the number of workers that federate (``len(ctx.seen)``)."""
         names = list(state.models) if names is None else names
         models = {k: state.models[k].clone() for k in names}
         for j in range(state.models[names[0]].shape[0]):

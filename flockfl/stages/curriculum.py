@@ -12,16 +12,30 @@ A stage that composes with any algorithm (config section ``curriculum``):
   1/L_k (mean training loss under the global or expert model), the first g_client(t) form
   the pool (pacing over rounds: N = the federating clients, T = ``train.rounds``), and the
   cohort is ``train.clients_per_round`` clients drawn at random from that pool. It replaces
-  the algorithm's own selection. The three choices the seed leaves open (pool over all
+  the algorithm's own selection, once per round: under a multi-cycle algorithm (FedCluster's
+  M cycles) the cohort is drawn in the round's first cycle (scores under the models the round
+  starts from) and the cycles split it, cycle K training the cohort's members of the clients
+  it would draw from (FedCluster: cluster σ_j(K); ``flockfl.rounds.cycle_share``). So the
+  curriculum's cohort is the same whatever the algorithm (the paced pool, one mini-batch of
+  clients per round), every one of its clients trains once in the round, and the algorithm
+  keeps its own structure (cluster order, M sequential updates); restricting each cycle's own
+  draw to the pool instead would shrink the early rounds' cohorts by the pool's share and
+  leave clients of the cohort untrained. The three choices the seed leaves open (pool over all
   clients; one mini-batch of clients per round; L_k computed by each client and sent as one
   scalar) are recorded in ``state.meta['curriculum']``.
+
+A data curriculum needs mini-batches to pace: under an algorithm that trains each client on
+one full batch (FedSGD; IFCA option I, refused when validated) or in closed form (FedSplit's
+exact prox) it would be a no-op, so the first such round stops with a one-line ConfigError
+(``train.full_batch=true`` is refused when the config is validated).
 
 Scores are recomputed every round. The pacing clock runs over each round's local steps
 (``pacing_scope=round``, Algorithm 1) or over the whole run (``global``). Ties (the binary
 ``*_pred`` scores) are broken by a uniform key from the (seed, round, client, "curriculum")
 stream. The per-round ``difficulty_std`` is the mean over the cohort of the standard
 deviation of each client's per-sample losses under the scoring model (the consistency
-measure of §1.6; low std = high consistency).
+measure of §1.6; low std = high consistency; over a multi-cycle round, the mean over all the
+cycles' clients).
 
 State: ``s_L`` needs each client's last local model; with ``local_model=persisted`` those
 rows live in ``state.algo['curriculum']`` (one model per client that has trained).
@@ -42,7 +56,8 @@ from flockfl.engine.pacing import Pacing, pacing_size
 from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng
 from flockfl.clientstate import ClientTable
-from flockfl.stages.base import Stage
+from flockfl.errors import ConfigError
+from flockfl.stages.base import Stage, log_mean
 from flockfl.state import MAGIC, decode_state, log_round
 
 EPS = 1e-8
@@ -101,8 +116,13 @@ class Curriculum(Stage):
 
     # ------------------------------------------------------------------ client curriculum
     # ------------------------------------------------------------------ stage hooks
+    @property
+    def replaces_cohort(self) -> bool:
+        return self.clients_on
+
     def select(self, ctx, state, algorithm, clients: np.ndarray, round: int) -> np.ndarray:
-        """A client curriculum replaces the algorithm's draw."""
+        """A client curriculum replaces the algorithm's draw (once per round; the cycles of a
+        multi-cycle round split it)."""
         if not self.clients_on:
             return clients
         clients, counts = self.cohort(ctx, state, algorithm, round)
@@ -111,9 +131,10 @@ class Curriculum(Stage):
 
     def on_spec(self, ctx, state, spec: LocalSpec, round: int) -> LocalSpec:
         """Scores with the model each client received, then paced batches."""
-        if self.data_on:
+        if self.data_on and len(spec.clients):
+            self.check_paceable(ctx, spec)
             spec, counts = self.apply(ctx, state, spec, round)
-            log_round(state, **counts)
+            log_mean(state, len(spec.clients), **counts)
         if "curriculum" not in state.meta:
             state.meta = {**state.meta, "curriculum": self.choices()}
         return spec
@@ -143,6 +164,16 @@ class Curriculum(Stage):
         return cohort, {"client_pool": int(size)}
 
     # ------------------------------------------------------------------ data curriculum
+    @staticmethod
+    def check_paceable(ctx, spec: LocalSpec) -> None:
+        """A data curriculum paces mini-batches: a spec that trains on full batches or in closed
+        form has none, and the curriculum would silently do nothing."""
+        if spec.full_batch or spec.solver is not None:
+            how = "in closed form (algorithm.prox=exact)" if spec.solver is not None else "on one full batch per step"
+            raise ConfigError(f"curriculum.ordering: a data curriculum paces mini-batches, but algorithm.name="
+                              f"{ctx.cfg.algorithm.name} trains each client {how}; use curriculum.ordering=vanilla "
+                              "(a client curriculum, curriculum.clients=true, still applies) or a mini-batch algorithm")
+
     def apply(self, ctx, state, spec: LocalSpec, round: int) -> tuple[LocalSpec, dict]:
         """Give ``spec`` each client's curriculum order and the pacing; returns the counts to log."""
         if not len(spec.clients):

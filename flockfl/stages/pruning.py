@@ -21,7 +21,12 @@ One round for a selected client k (both trainers, the same code):
    its pruned share is below the target, and Δ ≥ the threshold. The accuracy gate is taken
    on the masked model after training (``acc_gate=after_mask``, the code) or on the
    received model (``before_training``, the seed's Algorithm 10), on the client's test data
-   (the code's ``split_test=False``).
+   (the code's ``split_test=False``). Hybrid (Algorithm 11) decides the weight mask and the
+   channel mask independently, each with its own distance (Δ_us ≥ ``mask_threshold``,
+   Δ_s ≥ ``channel_threshold``), target (``target``, ``channel_target``) and, after
+   masking, its own accuracy gate: as in the authors' ``client_s.py``, the weight mask is
+   tried on the model with the channels it had, then the channel mask on top of the
+   weights kept; one mask failing never holds the other back.
 4. It sends the masked parameters and its mask.
 
 The server then averages each entry over the clients of its cluster that keep it, with the
@@ -57,7 +62,7 @@ from flockfl.client import finetune_epochs, pass_spec
 from flockfl.clientstate import ClientTable, chunks, joined
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import calibrate_bn, stat_names
-from flockfl.stages.base import Stage
+from flockfl.stages.base import Stage, log_mean
 from flockfl.state import log_round
 
 
@@ -96,7 +101,9 @@ class Pruning(Stage):
         return self.fill(algorithm, state, result, assign)
 
     def after_aggregate(self, state, result) -> None:
-        log_round(state, **self.record(state, result))
+        counts, means = self.record(state, result)
+        log_round(state, **counts)
+        log_mean(state, len(result.clients), **means)
 
     def on_evaluate(self, prep, state, metrics: dict, round: int, tune: bool) -> dict:
         """Every client with its own subnetwork, as downloaded and after local training."""
@@ -202,29 +209,41 @@ class Pruning(Stage):
         d_us = np.array([np.mean([hamming(w_fe[k][i], w_le[k][i]) for k in self.unstructured]) if self.unstructured else 0.0
                          for i in range(n)])
         d_s = np.array([np.mean([hamming(ch_fe[b][i], ch_le[b][i]) for b in ch_le]) if ch_le else 0.0 for i in range(n)])
+        # each mask has its own distance threshold and target (and, below, its own accuracy gate)
         want_w = (frac_w < self.p.target) & (d_us >= self.eps_us) & bool(self.unstructured)
         want_c = (frac_c < self.p.channel_target) & (d_s >= self.p.channel_threshold) & bool(self.groups)
-        # the accuracy gate
-        if self.p.acc_gate == "before_training":  # the received model: the spec's (masked) start
-            _, acc, _ = self.subnet_metrics(ctx, spec.init, clients)
-        else:
-            cand_w = {k: torch.where(_rows(want_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
-            cand_c = {k: torch.where(_rows(want_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
-            _, acc, _ = self.subnet_metrics(ctx, apply_masks(params, self.full_masks(cand_w, cand_c)), clients)
-        ok = acc >= self.p.acc_threshold
         # an event counts only if it removes something (per-layer floors can leave a shortfall
         # of under one weight per layer that no further event closes)
         changed_w = _changed(w_le, w_old, n)
         changed_c = _changed(ch_le, ch_old, n)
-        apply_w, apply_c = want_w & ok & changed_w, want_c & ok & changed_c
+        gate = {}
+        if self.p.acc_gate == "before_training":  # the received model: the spec's (masked) start; one
+            _, acc, _ = self.subnet_metrics(ctx, spec.init, clients)  # measurement, then each mask on its own
+            ok_w = ok_c = acc >= self.p.acc_threshold
+            gate["prune_gate_accuracy"] = acc
+        else:  # the authors' code: the weight mask is tried on the model with its channels as they were,
+            # then the channel mask on top of the weights kept; each is kept if its accuracy passes
+            ok_w = ok_c = np.zeros(n, bool)
+            if self.unstructured:
+                cand_w = {k: torch.where(_rows(want_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
+                _, acc_w, _ = self.subnet_metrics(ctx, apply_masks(params, self.full_masks(cand_w, ch_old)), clients)
+                ok_w = acc_w >= self.p.acc_threshold
+                gate["prune_gate_accuracy"] = acc_w
+        apply_w = want_w & ok_w & changed_w
         new_w = {k: torch.where(_rows(apply_w, w_le[k]), w_le[k], w_old[k]) for k in w_old}
+        if self.p.acc_gate != "before_training" and self.groups:
+            cand_c = {k: torch.where(_rows(want_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
+            _, acc_c, _ = self.subnet_metrics(ctx, apply_masks(params, self.full_masks(new_w, cand_c)), clients)
+            ok_c = acc_c >= self.p.acc_threshold
+            gate["channel_prune_gate_accuracy" if self.unstructured else "prune_gate_accuracy"] = acc_c
+        apply_c = want_c & ok_c & changed_c
         new_c = {k: torch.where(_rows(apply_c, ch_le[k]), ch_le[k], ch_old[k]) for k in ch_old}
         masks = self.full_masks(new_w, new_c)
         params = apply_masks(params, masks)
         calibrate_bn(ctx.model, params, ctx.data.train, clients)
         meta = {**{k: v for k, v in result.meta.items() if k != "snapshot"},
                 "prune_weights": new_w, "prune_channels": new_c, "prune_masks": masks, "pruned_now": (apply_w | apply_c),
-                "mask_distance": d_us, "channel_mask_distance": d_s, "prune_gate_accuracy": acc}
+                "mask_distance": d_us, "channel_mask_distance": d_s, **gate}
         return dataclasses.replace(result, params=params, meta=meta)
 
     def rows_from_spec(self, spec: LocalSpec) -> tuple[dict, dict]:
@@ -272,20 +291,20 @@ class Pruning(Stage):
                 params[k][pos] = (mk * theta + (1 - mk) * mean).to(params[k].dtype)
         return dataclasses.replace(result, params=params)
 
-    def record(self, state, result) -> dict:
-        """Store the trained clients' new masks; returns the round's counts to log."""
+    def record(self, state, result) -> tuple[dict, dict]:
+        """Store the trained clients' new masks; returns the round's counts and means to log."""
         st = self.store(state)
         weights = st["weights"].scatter(result.clients, result.meta["prune_weights"])
         channels = st["channels"].scatter(result.clients, result.meta["prune_channels"])
         events = st["events"].copy()
         events[result.clients] += result.meta["pruned_now"].astype(np.int64)
         state.algo = {**state.algo, "pruning": {"weights": weights, "channels": channels, "events": events}}
-        out = {"clients_pruned": int(result.meta["pruned_now"].sum())}
+        means = {}
         if self.unstructured:
-            out["mask_distance"] = float(np.mean(result.meta["mask_distance"]))
+            means["mask_distance"] = float(np.mean(result.meta["mask_distance"]))
         if self.groups:
-            out["channel_mask_distance"] = float(np.mean(result.meta["channel_mask_distance"]))
-        return out
+            means["channel_mask_distance"] = float(np.mean(result.meta["channel_mask_distance"]))
+        return {"clients_pruned": int(result.meta["pruned_now"].sum())}, means
 
     # ------------------------------------------------------------------ accounting
     def sparsity(self, state, clients: np.ndarray) -> dict[str, float]:

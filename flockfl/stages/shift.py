@@ -8,7 +8,9 @@ which training samples are released), so a resumed run sees exactly the data the
 run saw. ``RunContext.data`` is a view of the partitioned data (``RunContext.base_data``) built
 from that state; it is rebuilt only when the ownership changes.
 
-Each round, after client selection and before any clustering step (``rounds.select_stage``):
+Once per round, after client selection and before any clustering step (``rounds.select_stage``;
+in a multi-cycle round, FedCluster's, in its first cycle: the round is shifted once and its
+cycles all train on the shifted data, and a run resumed mid-round keeps the shift its state holds):
 
 - ``swap_all``: the clients of the algorithm's ``shift_pool`` (every federating client; FlexCFL:
   the clients already in a group) are randomly permuted and paired (position i with −(i+1));
@@ -229,6 +231,7 @@ class Shift(Stage):
         sync(ctx, state)
 
     def after_select(self, ctx, algorithm, state, round: int):
+        """The round's shift (the driver calls this once per round, whatever its cycles)."""
         return apply(ctx, algorithm, state, round)
 
 
