@@ -54,6 +54,16 @@ ALGORITHMS: dict[str, dict] = {
     "fedac": {"algorithm": {"name": "fedac"}},
     "flexcfl": {"algorithm": {"name": "flexcfl"}},
     "fesem": {"algorithm": {"name": "fesem"}},
+    "cfl": {"algorithm": {"name": "cfl", "warmup_rounds": 0, "eps1": 10.0, "eps2": 0.0}},
+    "fedper": {"algorithm": {"name": "fedper"}},
+    "lg_fedavg": {"algorithm": {"name": "lg_fedavg", "global_layers": "top:1"}},
+    "fedrep": {"algorithm": {"name": "fedrep", "head_epochs": 1}},
+    "fedbabu": {"algorithm": {"name": "fedbabu", "finetune_epochs": 1}},
+    "fedbn": {"model": {"name": "lenet5_bn"}, "algorithm": {"name": "fedbn"}},
+    "ditto": {"algorithm": {"name": "ditto"}},
+    "apfl": {"algorithm": {"name": "apfl"}},
+    "perfedavg": {"algorithm": {"name": "perfedavg", "variant": "hf"}},
+    "pfedme": {"algorithm": {"name": "pfedme"}},
 }
 
 STAGES: dict[str, dict] = {
@@ -74,7 +84,7 @@ STAGES: dict[str, dict] = {
 
 # resumed after round 2 of 4 from a checkpoint, in a fresh context
 RESUME = ["fedavg", "scaffold", "ifca", "fedcluster", "fedac", "flexcfl", "curriculum_clients", "pruning_unstructured",
-          "shift_swap_all", "fedcluster_shift_curriculum"]
+          "shift_swap_all", "cfl", "fedrep", "ditto", "apfl", "fedcluster_shift_curriculum"]
 
 
 def cases() -> dict[str, dict]:
