@@ -169,7 +169,8 @@ class Curriculum(Stage):
         """A data curriculum paces mini-batches: a spec that trains on full batches or in closed
         form has none, and the curriculum would silently do nothing."""
         if spec.full_batch or spec.solver is not None:
-            how = "in closed form (algorithm.prox=exact)" if spec.solver is not None else "on one full batch per step"
+            how = ("with its own local solver (not paced SGD steps)" if spec.solver is not None
+                   else "on one full batch per step")
             raise ConfigError(f"curriculum.ordering: a data curriculum paces mini-batches, but algorithm.name="
                               f"{ctx.cfg.algorithm.name} trains each client {how}; use curriculum.ordering=vanilla "
                               "(a client curriculum, curriculum.clients=true, still applies) or a mini-batch algorithm")

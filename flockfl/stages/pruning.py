@@ -59,6 +59,7 @@ import numpy as np
 import torch
 
 from flockfl.client import finetune_epochs, pass_spec
+from flockfl.errors import ConfigError
 from flockfl.clientstate import ClientTable, chunks, joined
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import calibrate_bn, stat_names
@@ -90,7 +91,13 @@ class Pruning(Stage):
 
     # ------------------------------------------------------------------ stage hooks
     def on_spec(self, ctx, state, spec: LocalSpec, round: int) -> LocalSpec:
-        """Each client starts from its subnetwork and trains masked."""
+        """Each client starts from its subnetwork and trains masked. A client trained by its own
+        solver (FedSplit's exact prox, Per-FedAvg's MAML step, pFedMe's inner solve) never applies
+        the masks, so pruning it would silently average unmasked updates: refused in one line."""
+        if spec.solver is not None:
+            raise ConfigError(f"pruning.method: Sub-FedAvg trains each client masked, but algorithm.name="
+                              f"{ctx.cfg.algorithm.name} trains each client with its own local solver, which cannot "
+                              "apply masks; use pruning.method=none or a mini-batch SGD algorithm")
         return self.prepare_spec(state, spec, ctx.data.train.sizes)
 
     def after_train(self, ctx, spec: LocalSpec, result):
