@@ -126,6 +126,8 @@ FLOCK_RUNS: dict[str, dict] = {
     "flow/ifca": {"algorithm": {"name": "ifca", **K2}, "train": {"shard_size": 4}},
     "dask/scaffold": {"algorithm": {"name": "scaffold"}, "train": {"shard_size": 2, "threads": 1},
                       "executor": {"kind": "dask", "workers": 2}},
+    "dask/ditto": {"algorithm": {"name": "ditto"}, "train": {"shard_size": 2, "threads": 1},
+                   "executor": {"kind": "dask", "workers": 2}},
 }
 
 
