@@ -176,6 +176,26 @@ def assert_resume_bit_identical(cfg, tmp_path, until: int = 2, prepare_resumed=N
     return full, resumed
 
 
+def assert_mid_round_resume(cfg, tmp_path, round: int = 1, cycle: int = 2):
+    """A multi-cycle run (FedCluster) killed after ``cycle`` cycles of round ``round`` and
+    resumed from that mid-round checkpoint in a fresh context ends as the uninterrupted run:
+    equal digests and histories (but wall times). Returns the mid-round state."""
+    from flockfl.rounds import PLAIN, drive, prepare, run_rounds
+    from flockfl.state import load_latest, save_checkpoint
+
+    full = run_rounds(prepare(cfg, tmp_path))
+    mids = []
+    drive(prepare(cfg, tmp_path), None, PLAIN, until=round + 1, on_cycle=mids.append)
+    mid = [s for s in mids if s.round == round and s.meta["partial_round"]["cycle"] == cycle][0]
+    save_checkpoint(mid, tmp_path / "run")
+    restored, _ = load_latest(tmp_path / "run")
+    resumed = drive(prepare(cfg, tmp_path), restored, PLAIN)
+    assert resumed.digest() == full.digest()
+    strip = lambda h: {k: v for k, v in h.items() if k != "round_time_s"}  # noqa: E731
+    assert [strip(h) for h in resumed.history] == [strip(h) for h in full.history]
+    return mid
+
+
 def label_group_npz(path, groups, per_group: int, n: int, seed: int = 0, features=None):
     """An npz of natural clients: group g's clients hold only the labels ``groups[g]`` (n train,
     n/2 test samples each). ``features(rng)`` returns ``y → x`` ([m, 1, 4, 4]); by default

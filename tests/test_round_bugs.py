@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import assert_mid_round_resume, tiny_config
 
 from flockfl.errors import ConfigError
 from flockfl.experiments import validate
@@ -111,17 +111,8 @@ def test_the_client_curriculum_selects_once_per_round_and_fedcluster_cycles_spli
 def test_a_mid_round_resume_keeps_the_rounds_cohort(tmp_path):
     cfg = cfg_of({"name": "fedcluster", "k": 3}, curriculum={"clients": True, "ordering": "curr", "b": 0.5},
                  shift={"kind": "swap_all", "probability": 0.5})
-    full = run_rounds(prepare(cfg, tmp_path))
-    mids = []
-    drive(prepare(cfg, tmp_path), None, PLAIN, until=2, on_cycle=mids.append)
-    mid = [s for s in mids if s.round == 1 and s.meta["partial_round"]["cycle"] == 2][0]
+    mid = assert_mid_round_resume(cfg, tmp_path, round=1, cycle=2)
     assert "round_cohort" in mid.meta
-    save_checkpoint(mid, tmp_path / "run")
-    restored, _ = load_latest(tmp_path / "run")
-    resumed = drive(prepare(cfg, tmp_path), restored, PLAIN)
-    assert resumed.digest() == full.digest()
-    strip = lambda h: {k: v for k, v in h.items() if k != "round_time_s"}  # noqa: E731
-    assert [strip(h) for h in resumed.history] == [strip(h) for h in full.history]
 
 
 def test_means_logged_by_stages_are_means_over_the_rounds_cycles(tmp_path):

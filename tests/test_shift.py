@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import assert_mid_round_resume, tiny_config
 
 from flockfl.errors import ConfigError
 from flockfl.experiments import validate
@@ -164,16 +164,7 @@ def test_fedcluster_fixed_order_visits_clusters_by_index_and_random_order_permut
 
 def test_fedcluster_resumes_mid_round_bit_identically(tmp_path):
     cfg = cfg_of({"name": "fedcluster", "k": 3}, rounds=3)
-    full = run_rounds(prepare(cfg, tmp_path))
-    mids = []
-    drive(prepare(cfg, tmp_path), None, PLAIN, until=2, on_cycle=lambda st: mids.append(st))
-    mid = [m for m in mids if m.round == 1 and m.meta["partial_round"]["cycle"] == 2][0]  # round 2, two cycles done
-    save_checkpoint(mid, tmp_path / "run")
-    restored, _ = load_latest(tmp_path / "run")
-    resumed = drive(prepare(cfg, tmp_path), restored, PLAIN)
-    assert resumed.digest() == full.digest()
-    strip = lambda h: {k: v for k, v in h.items() if k != "round_time_s"}  # noqa: E731
-    assert [strip(h) for h in resumed.history] == [strip(h) for h in full.history]
+    assert_mid_round_resume(cfg, tmp_path, round=1, cycle=2)  # round 2, two cycles done
 
 
 def test_fedcluster_trainers_agree(tmp_path):
