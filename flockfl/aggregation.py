@@ -25,6 +25,12 @@ def weighted_mean(params: dict[str, torch.Tensor], w: torch.Tensor) -> dict[str,
     return out
 
 
+def broadcast(params: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """Row 0 of stacked parameters as a stacked view of ``n`` copies (every client starts from
+    the one global model; no memory is copied)."""
+    return {k: v[:1].expand(n, *v.shape[1:]) for k, v in params.items()}
+
+
 def rows(params: dict[str, torch.Tensor], idx: Optional[np.ndarray]) -> dict[str, torch.Tensor]:
     """The stacked rows ``idx`` of every tensor (all of them when ``idx`` is None)."""
     if idx is None:

@@ -58,10 +58,20 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
+    return assemble(cfg, model, data, truth, partition_path=path, partition_hash=part.content_hash,
+                    partition_cached=cached, threads=threads,
+                    info={"heterogeneity": dict(part.info.get("heterogeneity") or {})})
+
+
+def assemble(cfg: ExperimentConfig, model: torch.nn.Module, data: ClientData, truth: Optional[dict] = None, *,
+             partition_path: Optional[Path] = None, partition_hash: str = "", partition_cached: bool = False,
+             threads: int = 1, info: Optional[dict] = None) -> PreparedRun:
+    """The run over prepared data and model: the algorithm, the files it names (read here), the
+    context its hooks see and the active stages."""
     algorithm = build_algorithm(cfg)
-    ctx = RunContext(cfg, model, data, truth, inputs=read_inputs(algorithm))
-    return PreparedRun(cfg, ctx, algorithm, path, part.content_hash, cached, threads,
-                       info={"heterogeneity": dict(part.info.get("heterogeneity") or {})}, stages=build_stages(cfg, model))
+    ctx = RunContext(cfg, model, data, truth or {}, inputs=read_inputs(algorithm))
+    return PreparedRun(cfg, ctx, algorithm, partition_path, partition_hash, partition_cached, threads, info or {},
+                       stages=build_stages(cfg, model))
 
 
 def read_inputs(algorithm: Algorithm) -> dict:
@@ -81,9 +91,7 @@ def prepare_data(cfg: ExperimentConfig, data: ClientData, model: Optional[torch.
     """A run on client data built elsewhere (a synthetic problem such as
     ``flockfl.data.lsq.hetero_lsq``, a test's clients): no dataset, no partition store."""
     model = model or build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden)
-    algorithm = build_algorithm(cfg)
-    return PreparedRun(cfg, RunContext(cfg, model, data, inputs=read_inputs(algorithm)), algorithm, None, "", False, 1,
-                       stages=build_stages(cfg, model))
+    return assemble(cfg, model, data)
 
 
 def check_task(cfg: ExperimentConfig, ds) -> None:

@@ -29,7 +29,8 @@ import torch
 
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, real, weighting
-from flockfl.algorithms.personal import PersonalModels, broadcast, gradient, trained_names
+from flockfl.aggregation import broadcast
+from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.schedule import client_batches
 from flockfl.rng import np_rng
 

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flockfl.aggregation import mean_weights, rows, weighted_mean
+from flockfl.aggregation import broadcast, mean_weights, rows, weighted_mean
 from flockfl.algorithms.hyper import Hyper, declared, weighting
 from flockfl.client import finetune_epochs, pass_spec, round_spec
 from flockfl.clientstate import chunks, joined
@@ -144,7 +144,7 @@ class Algorithm:
         t = self.cfg.train
         which = self.model_of(state, ctx, clients)
         if state.k == 1:  # every client starts from model 0: a broadcast view, materialised once by the trainer
-            init = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
+            init = broadcast(state.models, len(clients))
         else:
             init = index_params(state.models, torch.from_numpy(which))
         return round_spec(t, clients, init, meta={"model_of_client": which}, client_epochs=self.local_work(ctx, clients, round))

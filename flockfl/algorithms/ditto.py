@@ -31,7 +31,8 @@ import numpy as np
 
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import integer, real, weighting
-from flockfl.algorithms.personal import PersonalModels, broadcast, run_pass
+from flockfl.aggregation import broadcast
+from flockfl.algorithms.personal import PersonalModels, run_pass
 from flockfl.client import finetune_epochs, pass_spec
 from flockfl.engine import TRAINERS
 

@@ -31,7 +31,8 @@ import torch
 
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, integer, real, weighting
-from flockfl.algorithms.personal import PersonalModels, broadcast, gradient, run_pass, trained_names
+from flockfl.aggregation import broadcast
+from flockfl.algorithms.personal import PersonalModels, gradient, run_pass, trained_names
 from flockfl.client import pass_spec
 from flockfl.engine.schedule import client_batches
 from flockfl.rng import np_rng

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from flockfl.aggregation import weighted_mean
+from flockfl.aggregation import broadcast, weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper
 from flockfl.client import run_engine
@@ -153,7 +153,7 @@ class PartialSharing(Algorithm):
         """Shared layers (broadcast) + each client's personal rows (the init for a client never seen)."""
         clients = np.asarray(clients, np.int64)
         n = len(clients)
-        out = {k: v[:1].expand(n, *v.shape[1:]) for k, v in state.models.items()}
+        out = broadcast(state.models, n)
         if "personal" in state.algo:
             out.update(state.algo["personal"].gather(clients, next(iter(state.models.values())).device))
         return out
@@ -212,11 +212,6 @@ class PartialSharing(Algorithm):
 
 
 # ---------------------------------------------------------------------- a whole personal model per client
-
-
-def broadcast(models: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
-    """The (single) global model as a stacked view of ``n`` copies."""
-    return {k: v[:1].expand(n, *v.shape[1:]) for k, v in models.items()}
 
 
 def gradient(model: nn.Module, names: list[str], task: str) -> Callable[[dict, Any, Any], dict]:

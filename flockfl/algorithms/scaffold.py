@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from flockfl.aggregation import broadcast
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, real, weighting
 from flockfl.clientstate import ClientTable
@@ -51,7 +52,7 @@ class Scaffold(Algorithm):
 
     def full_gradient(self, state, ctx, clients: np.ndarray) -> dict[str, torch.Tensor]:
         """∇F_i(x) for every listed client: one full-batch step of size 1 from x."""
-        x = {k: v[:1].expand(len(clients), *v.shape[1:]) for k, v in state.models.items()}
+        x = broadcast(state.models, len(clients))
         res = train_cohort(ctx.model, LocalSpec(clients, x, 1.0, steps=1, full_batch=True), ctx.data.train,
                            ctx.data.task, ctx.seed, 0)
         return {k: x[k] - res.params[k] for k in x}
