@@ -212,6 +212,24 @@ class PruningConfig(_Section):
                                   "authors' code) or on the received model before training (Algorithm 10)")
 
 
+class EvalConfig(_Section):
+    """How accuracy is measured and reported (the papers differ; ``flockfl/evaluation.py``).
+
+    ``test_set``: each client's test samples: ``proportional`` (a disjoint slice of the test
+    set in its training class proportions) or ``label_union`` (every test sample of every
+    label the client holds: the PACFL, FLIS and Sub-FedAvg code and the thesis).
+    ``average``: the mean over clients weighted by test ``samples`` or unweighted over ``clients``.
+    ``report``: which evaluated round ``metrics.accuracy`` is: the ``final`` one, the ``best``
+    (NIID-Bench, PFLlib), the best once every client has trained at least once
+    (``best_after_all_seen``, FlexCFL), or the ``mean_last`` ``last_k`` evaluations.
+    """
+
+    test_set: Literal["proportional", "label_union"] = "proportional"
+    average: Literal["samples", "clients"] = "samples"
+    report: Literal["final", "best", "best_after_all_seen", "mean_last"] = "final"
+    last_k: int = Field(10, ge=1)
+
+
 class TrackingConfig(_Section):
     enabled: bool = True
     uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
@@ -254,6 +272,7 @@ class ExperimentConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     tracking: TrackingConfig = TrackingConfig()
+    eval: EvalConfig = EvalConfig()
     system: SystemConfig = SystemConfig()
     shift: ShiftConfig = ShiftConfig()
     curriculum: CurriculumConfig = CurriculumConfig()
