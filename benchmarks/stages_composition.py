@@ -34,13 +34,13 @@ STAGE_METRICS = ("difficulty_std", "sparsity", "clients_pruned", "mask_distance"
 
 
 def runs() -> dict[str, tuple[str, list[str]]]:
-    pacfl = ["algorithm.name=pacfl"]
+    pacfl = ["algorithm.name=pacfl", "algorithm.cut=largest_gap"]  # PACFL needs a β or a k; the library's cut
     return {
-        "pacfl": ("digits_dirichlet", pacfl),
-        "pacfl + curriculum": ("digits_dirichlet", pacfl + CURR),
-        "ifca": ("ifca_rotated_digits", []),
-        "ifca + unstructured pruning": ("ifca_rotated_digits", PRUNE),
-        "pacfl + curriculum + pruning": ("digits_dirichlet", pacfl + CURR + PRUNE),
+        "pacfl + largest-gap cut": ("digits_dirichlet", pacfl),
+        "pacfl + largest-gap cut + curriculum": ("digits_dirichlet", pacfl + CURR),
+        "ifca + k-means start": ("ifca_rotated_digits", []),
+        "ifca + k-means start + unstructured pruning": ("ifca_rotated_digits", PRUNE),
+        "pacfl + largest-gap cut + curriculum + pruning": ("digits_dirichlet", pacfl + CURR + PRUNE),
     }
 
 

@@ -11,7 +11,7 @@ import torch
 
 from flockfl.config import ExperimentConfig, TrainConfig
 from flockfl.engine import TRAINERS
-from flockfl.engine.schedule import LocalSpec, restrict
+from flockfl.engine.schedule import LocalSpec, LrSchedule, restrict
 from flockfl.engine.trainers import TrainResult
 from flockfl.state import ServerState
 
@@ -19,10 +19,19 @@ if TYPE_CHECKING:
     from flockfl.context import RunContext
 
 
+def optimiser(t: TrainConfig) -> dict:
+    """The local optimiser's terms every spec built from ``train.*`` carries: weight decay and
+    the learning-rate schedule (momentum is set by the round driver or the caller)."""
+    return {"weight_decay": t.weight_decay,
+            "lr_schedule": LrSchedule(t.lr_schedule, t.lr_alpha, t.lr_b, t.lr_gamma, t.lr_step_rounds)}
+
+
 def round_spec(t: TrainConfig, clients: np.ndarray, init: dict[str, torch.Tensor], **extra) -> LocalSpec:
-    """A round's local training: ``train.lr``, E epochs (or τ steps), batch size B or full
-    batch; ``extra`` adds the algorithm's terms (prox, corrections, meta, ...)."""
-    return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch, **extra)
+    """A round's local training: ``train.lr`` (on its schedule, with ``train.weight_decay``), E
+    epochs (or τ steps), batch size B or full batch; ``extra`` adds the algorithm's terms (prox,
+    corrections, meta, ...)."""
+    return LocalSpec(clients, init, t.lr, t.local_epochs, t.local_steps, t.batch_size, t.full_batch,
+                     **{**optimiser(t), **extra})
 
 
 def finetune_epochs(t: TrainConfig) -> int:
@@ -34,8 +43,10 @@ def finetune_epochs(t: TrainConfig) -> int:
 def pass_spec(t: TrainConfig, clients: np.ndarray, init: dict[str, torch.Tensor], epochs: int, *,
               steps: Optional[int] = None, stream: str, **extra) -> LocalSpec:
     """A pass of plain local SGD outside a round's training (``epochs`` epochs, or ``steps``
-    steps), its batch orders from the (seed, round, client, ``stream``) streams."""
-    return LocalSpec(clients, init, t.lr, epochs, steps, t.batch_size, t.full_batch, stream=stream, **extra)
+    steps; ``train.lr`` on its schedule, with ``train.weight_decay``), its batch orders from the
+    (seed, round, client, ``stream``) streams."""
+    return LocalSpec(clients, init, t.lr, epochs, steps, t.batch_size, t.full_batch, stream=stream,
+                     **{**optimiser(t), **extra})
 
 
 def run_engine(cfg: ExperimentConfig, state: ServerState) -> str:

@@ -43,12 +43,34 @@ class DatasetConfig(_Section):
     # u_k ~ N(0, α); features x ~ N(v_k, Σ), v_k ~ N(B_k, 1), B_k ~ N(0, β); natural clients
     syn_alpha: float = Field(1.0, ge=0)
     syn_beta: float = Field(1.0, ge=0)
+    # input standardisation, applied where the data is loaded (every split, every client): none (NIID-Bench and
+    # IFCA feed MNIST/Fashion-MNIST pixels in [0, 1]) or per_channel, x ← (x − mean_c)/std_c over the image
+    # channels, with the training set's own per-channel statistics, or normalize_mean / normalize_std when given
+    # (the thesis's code uses MNIST's (0.1307,), (0.3081,) for Fashion-MNIST too)
+    normalize: Literal["none", "per_channel"] = "none"
+    normalize_mean: Optional[list[float]] = None
+    normalize_std: Optional[list[float]] = None
+
+
+# generator choices and the schemes they shape: ``partition_key`` records each (defaults resolved) for those
+# schemes only, so a partition built under another choice or an earlier default is never reused, and the
+# content address of every other scheme's partition stays as it was
+# (None: every scheme; the test split's keys are recorded only with test_split=local: PartitionConfig.generator)
+GENERATOR_KEYS: dict[str, Optional[tuple[str, ...]]] = {
+    "dirichlet_rule": ("dirichlet", "sc_dir"), "min_size": ("dirichlet", "sc_dir"),
+    "rotated_mode": ("rotated",), "shard_size": ("shards", "sc_niid"),
+    "test_split": None, "local_test_fraction": None,
+}
+DIRICHLET_MIN_SIZE = {"niid_bench": 10, "flockfl": 2}  # min_size unset: each rule's own
+# models whose architecture changed under the same name (lenet5: Table 3.17's unpadded first conv; the padded one
+# is lenet5_padded): a partition built with one as the difficulty expert records the revision in its address
+MODEL_REVISIONS = {"lenet5": "table_3_17"}
 
 
 class PartitionConfig(_Section):
     name: Optional[str] = None  # a partition named in params.yaml: its settings are inherited
     scheme: Literal["iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural",
-                    "sc_niid", "sc_dir", "mix"] = "iid"
+                    "sc_niid", "sc_dir", "mix", "pfllib_pat"] = "iid"
     # None: 10, or with scheme=natural as many clients as the data holds
     num_clients: Optional[int] = Field(None, ge=1)
     alpha: float = Field(0.5, gt=0)
@@ -66,7 +88,25 @@ class PartitionConfig(_Section):
     sc_linkage: Literal["weighted", "average", "complete", "single"] = "weighted"
     # iid, rotated, label_swap: equal training sets, or DIFCA's uneven sizes (randint(1, 2N/m) rescaled)
     client_sizes: Literal["equal", "uneven"] = "equal"
-    samples_per_client: Optional[int] = Field(None, ge=1)  # mix: samples per client (default: as many as fit evenly)
+    # samples per client: mix (default: as many as fit evenly), rotated with rotated_mode=ifca (IFCA's n; default:
+    # the whole training set over the group's clients)
+    samples_per_client: Optional[int] = Field(None, ge=1)
+    # dirichlet, sc_dir: niid_bench (NIID-Bench's code, which the thesis reuses: per class p ~ Dir(α) over the
+    # clients, p_j zeroed for a client already holding N/n samples or more, renormalised; the whole split redrawn
+    # until every client holds min_size) or flockfl (the rule before: no balancing, min_size 2)
+    dirichlet_rule: Literal["niid_bench", "flockfl"] = "niid_bench"
+    min_size: Optional[int] = Field(None, ge=1)  # dirichlet, sc_dir: samples every client needs; None = the rule's (10, 2)
+    # rotated: ifca (IFCA's code: every group gets the whole training set, permuted afresh, as its m_j clients × n
+    # samples, and the whole test set) or disjoint (the rule before: one split of the data over all clients)
+    rotated_mode: Literal["ifca", "disjoint"] = "ifca"
+    # shards, sc_niid: samples per shard (Sub-FedAvg: 250; 125 for CIFAR-100), the n·s shards cut from a random
+    # n·s·shard_size samples; None = the data cut into exactly n·s shards (McMahan et al.: 300 on MNIST)
+    shard_size: Optional[int] = Field(None, ge=1)
+    # each client's test samples: global (a slice of the dataset's test set in the client's training class
+    # proportions) or local (PFLlib: the dataset's train and test sets merged into one pool before the scheme
+    # partitions it, and each client's own samples split at random, local_test_fraction of them to its test set)
+    test_split: Literal["global", "local"] = "global"
+    local_test_fraction: float = Field(0.25, gt=0, lt=1)  # test_split=local: PFLlib's 1 − train_ratio (0.75)
     # clients that never train and join after federation (newcomers); drawn from (seed, "unseen")
     unseen_fraction: float = Field(0.0, ge=0, lt=1)
     # training samples (stratified) withheld from every client as the server's own data (FLIS);
@@ -76,11 +116,31 @@ class PartitionConfig(_Section):
     # client keeps its class counts, and f_ord of each count is a contiguous block of samples
     # ranked by an expert's loss (the rest random); None = off
     difficulty_fraction: Optional[float] = Field(None, ge=0, le=1)
-    difficulty_model: Literal["mclr", "mlp", "lenet5", "lenet5_bn", "cnn_bn"] = "mclr"  # the expert θ_E
+    difficulty_model: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "lenet5_bn", "cnn_bn",
+                              "pfllib_cnn"] = "mclr"  # the expert θ_E
     difficulty_epochs: int = Field(10, ge=1)  # its central training epochs
 
+    def resolved_min_size(self) -> int:
+        """``min_size``, or the Dirichlet rule's own when unset (NIID-Bench 10, flockfl 2)."""
+        return DIRICHLET_MIN_SIZE[self.dirichlet_rule] if self.min_size is None else self.min_size
+
+    def generator(self) -> dict[str, Any]:
+        """The generator choices that shape this scheme's partition, defaults resolved (the
+        partition's content address and JSON summary record them)."""
+        out = {k: getattr(self, k) for k, schemes in GENERATOR_KEYS.items() if schemes is None or self.scheme in schemes}
+        if "min_size" in out:
+            out["min_size"] = self.resolved_min_size()
+        if self.test_split == "global":  # the default: the addresses of every partition before it stay as they were
+            out.pop("test_split")
+            out.pop("local_test_fraction")
+        return out
+
+
 class ModelConfig(_Section):
-    name: Literal["mclr", "mlp", "lenet5", "linear", "lenet5_bn", "cnn_bn"] = "mlp"
+    # lenet5: thesis Table 3.17 (valid 5×5 convs: 256 FC inputs on 28×28, NIID-Bench's CNN too); lenet5_padded:
+    # padding 2 on the first conv (400 FC inputs on 28×28, LeCun's 32×32 geometry); pfllib_cnn: PFLlib's 4-layer
+    # CNN (FedAvgCNN: conv 32, conv 64, FC 512, out; 582,026 parameters on 28×28)
+    name: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "linear", "lenet5_bn", "cnn_bn", "pfllib_cnn"] = "mlp"
     hidden: int = Field(200, ge=1)
 
 
@@ -111,6 +171,17 @@ class TrainConfig(_Section):
     # local heavy-ball momentum ρ (buf ← ρ·buf + g, reset every round) for every local training
     # (the thesis's curriculum runs use 0.9, Sub-FedAvg 0.5); FedNova has its own algorithm.momentum
     momentum: float = Field(0.0, ge=0, lt=1)
+    # L2 weight decay ω, added to every local gradient before momentum as torch.optim.SGD's weight_decay does
+    # (g + ω·w; NIID-Bench 1e-5, the curriculum thesis 5e-4)
+    weight_decay: float = Field(0.0, ge=0)
+    # the local learning rate of step i (counted from 0 within the round's local training) in round r: constant
+    # (train.lr), inverse η₀(1 + α·i)^−b (the curriculum thesis §2.8, reset every round; Caffe's "inv"), or step
+    # η₀·γ^⌊r/lr_step_rounds⌋ (CFL's code: ×0.99 per round); η₀ = train.lr
+    lr_schedule: Literal["constant", "inverse", "step"] = "constant"
+    lr_alpha: float = Field(0.001, ge=0)  # inverse: α (the thesis: 0.001)
+    lr_b: float = Field(0.75, ge=0)  # inverse: b (the thesis: 0.75)
+    lr_gamma: float = Field(0.99, gt=0, le=1)  # step: the factor γ per decay
+    lr_step_rounds: int = Field(1, ge=1)  # step: rounds between decays
     engine: Literal["auto", "vectorized", "reference"] = "auto"
     shard_size: int = Field(256, ge=1)  # clients per vectorised training task
     parallel_shards: int = Field(1, ge=1)  # training tasks run at once (threads; 1 suits a small CPU)
@@ -296,9 +367,22 @@ class ExperimentConfig(_Section):
         if self.dataset.name == "synthetic_linreg" and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
         if self.dataset.name not in ("synthetic_linreg", "npz") and self.model.name == "linear":
-            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs a classifier (mclr, mlp, lenet5, lenet5_bn or cnn_bn)")
+            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs a classifier (mclr, mlp, lenet5, lenet5_padded, lenet5_bn or cnn_bn)")
         if self.dataset.name == "npz" and not self.dataset.path:
             raise ValueError("dataset.path: the npz dataset needs a file; set dataset.path=/path/to/data.npz")
+        ds = self.dataset
+        if ds.normalize == "none" and (ds.normalize_mean is not None or ds.normalize_std is not None):
+            raise ValueError("dataset.normalize_mean / normalize_std: given with dataset.normalize=none; set "
+                             "dataset.normalize=per_channel or remove them")
+        if (ds.normalize_mean is None) != (ds.normalize_std is None) or (
+                ds.normalize_mean is not None and len(ds.normalize_mean) != len(ds.normalize_std)):
+            raise ValueError("dataset.normalize_mean / normalize_std: give both, one value per image channel each "
+                             "(e.g. [0.1307] and [0.3081]), or neither (the training set's own statistics)")
+        if ds.normalize_std is not None and min(ds.normalize_std) <= 0:
+            raise ValueError(f"dataset.normalize_std: every standard deviation must be > 0 (got {ds.normalize_std})")
+        if ds.normalize != "none" and ds.name in ("synthetic_linreg", "synthetic_fedprox"):
+            raise ValueError(f"dataset.normalize: {ds.normalize!r} standardises image channels; {ds.name} has feature "
+                             "vectors; use dataset.normalize=none")
         if self.train.momentum and self.algorithm.name == "fednova":
             raise ValueError("train.momentum: FedNova normalises by its own local momentum; set algorithm.momentum instead")
         if self.pruning.method in ("structured", "hybrid") and self.model.name not in ("lenet5_bn", "cnn_bn"):
@@ -331,13 +415,25 @@ class ExperimentConfig(_Section):
         return flatten(self.model_dump())
 
     def partition_key(self) -> dict[str, Any]:
-        """The settings that determine the partition (used for its content address)."""
+        """The settings that determine the partition (used for its content address). A generator
+        choice is recorded, resolved, for the schemes it shapes (``GENERATOR_KEYS``), so changing
+        one (or its default) gives a new address; settings that are off are left out, so the keys
+        of every earlier partition they do not touch stay as they were."""
         part = self.partition.model_dump()
         part.pop("name")
-        if part["difficulty_fraction"] is None:  # off: the keys of every earlier partition stay as they were
+        if part["difficulty_fraction"] is None:
             for k in ("difficulty_fraction", "difficulty_model", "difficulty_epochs"):
                 part.pop(k)
-        return {"seed": self.seed, "dataset": self.dataset.model_dump(), "partition": part}
+        elif part["difficulty_model"] in MODEL_REVISIONS:  # the expert's architecture changed under its name
+            part["difficulty_model_revision"] = MODEL_REVISIONS[part["difficulty_model"]]
+        for k in GENERATOR_KEYS:
+            part.pop(k)
+        part.update(self.partition.generator())
+        dataset = self.dataset.model_dump()
+        if dataset["normalize"] == "none":
+            for k in ("normalize", "normalize_mean", "normalize_std"):
+                dataset.pop(k)
+        return {"seed": self.seed, "dataset": dataset, "partition": part}
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()

@@ -1,21 +1,401 @@
 """Per-client test metrics and their summaries, in one place: every algorithm, stage and the
-round driver measure clients with these functions."""
+round driver measure clients with these functions.
+
+**Protocols** (config section ``eval``; the papers differ, so every run measures them all):
+
+- test set: ``proportional`` (the partition's own split: a disjoint slice of the test set in the
+  client's training class proportions) or ``label_union`` (every test sample of every label the
+  client holds in training: the PACFL, FLIS and Sub-FedAvg code, the thesis);
+- average over clients: weighted by test ``samples`` or unweighted over ``clients`` (those with
+  test samples);
+- report: which evaluated round the run's summary gives (:func:`summarise`): the ``final`` one,
+  the ``best``, the best at or after the first round by which every federating client has
+  trained (``best_after_all_seen``, FlexCFL), or the mean of the last ``last_k`` (``mean_last``).
+
+**Names.** The plain names (``accuracy``, ``accuracy_min``, ``accuracy_p10``, ``loss`` and their
+families ``accuracy_personal``, ``accuracy_global``, ``accuracy_finetuned``, ``accuracy_pruned``,
+``unseen_accuracy``, …) follow the configured test set and average. Every evaluated round also
+logs each convention: ``{name}__{test_set}__{average}`` for the means (``accuracy``, ``loss``)
+and ``{name}__{test_set}`` for the quantiles (``_min``, ``_p10``), e.g.
+``accuracy__label_union__clients`` and ``accuracy_min__label_union``. The last round adds
+``{name}__{test_set}__{average}__{report}`` for every mean accuracy and every report mode.
+Regression has no labels to hold: its only test set is ``proportional``.
+
+**Exact and fast.** A model is evaluated once on all the rows its clients need (clients that
+share a model in one pass, a per-client model on its own rows), and each client's sums are
+combined from per-class sums over the shared test pool (:mod:`flockfl.engine.evaluate`); the
+proportional rows ride along in the same pass.
+"""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
 
 import numpy as np
 import torch
 from torch import nn
 
-from flockfl.clientstate import chunks
+from flockfl.clientstate import chunks, joined
+from flockfl.engine.evaluate import TestPool, class_sums, identity_pool, outputs, own_outputs, row_stats, segment_sums
 from flockfl.engine.functional import losses_under_models, segment_mean
+from flockfl.errors import ConfigError
 
 if TYPE_CHECKING:
     from flockfl.context import RunContext
     from flockfl.state import ServerState
+
+TEST_SETS = ("proportional", "label_union")
+AVERAGES = ("samples", "clients")
+REPORTS = ("final", "best", "best_after_all_seen", "mean_last")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How the run's headline metrics are measured and reported (config section ``eval``)."""
+
+    test_set: str = "proportional"
+    average: str = "samples"
+    report: str = "final"
+    last_k: int = 10
+
+    @classmethod
+    def of(cls, cfg) -> "Protocol":
+        e = cfg.eval
+        return cls(e.test_set, e.average, e.report, int(e.last_k))
+
+    def asdict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def check_protocol(cfg, task: str) -> None:
+    """``label_union`` needs class labels: a one-line ConfigError for a regression task."""
+    if cfg.eval.test_set == "label_union" and task != "classification":
+        raise ConfigError(f"eval.test_set: 'label_union' needs class labels, and dataset {cfg.dataset.name!r} has float "
+                          "labels (a regression task); use eval.test_set=proportional")
+
+
+def protocol(ctx: RunContext) -> Protocol:
+    check_protocol(ctx.cfg, ctx.data.task)
+    return Protocol.of(ctx.cfg)
+
+
+# ---------------------------------------------------------------------- per-client metrics
+
+
+Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+@dataclass
+class ClientMetrics:
+    """One family's per-client metrics (every listed client under the model the family gives it):
+    for each test set, (mean loss, accuracy, test samples) per client. ``label_union`` exists
+    for classification only."""
+
+    sets: dict[str, Triple]
+
+    def __getitem__(self, test_set: str) -> Triple:
+        return self.sets[test_set]
+
+    @staticmethod
+    def join(parts: Iterable[Union["ClientMetrics", Triple]]) -> "ClientMetrics":
+        """Chunks of clients, concatenated (a bare (loss, accuracy, count) triple is a
+        proportional-only family, as the functions before the protocols returned)."""
+        parts = [p if isinstance(p, ClientMetrics) else ClientMetrics({"proportional": tuple(p)}) for p in parts]
+        if not parts:
+            return ClientMetrics({"proportional": joined([])})
+        common = set.intersection(*(set(p.sets) for p in parts))
+        return ClientMetrics({ts: joined([p.sets[ts] for p in parts]) for ts in TEST_SETS if ts in common})
+
+
+def label_pool(ctx: RunContext) -> TestPool:
+    """The run's test pool: the partition's (``ClientData.pool``), or for client data built
+    without one, its test split as the pool (built once, kept on the data)."""
+    base = ctx.base_data
+    if base.pool is None:
+        base.pool = identity_pool(base.test.x, base.test.y, base.num_classes, base.num_clients)
+    return base.pool
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The indices of the ranges [starts[i], starts[i] + lengths[i]), back to back."""
+    lengths = np.asarray(lengths, np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.zeros(0, np.int64)
+    shift = np.repeat(np.asarray(starts, np.int64) - (np.cumsum(lengths) - lengths), lengths)
+    return np.arange(total, dtype=np.int64) + shift
+
+
+def held_classes(split, clients: np.ndarray, num_classes: int) -> np.ndarray:
+    """[clients, K] bool: which labels each listed client holds in ``split`` (its training data)."""
+    off = split.offsets
+    lengths = off[clients + 1] - off[clients]
+    idx = ranges(off[clients], lengths)
+    y = split.y[torch.from_numpy(idx).to(split.y.device)].cpu().numpy().astype(np.int64)
+    out = np.zeros((len(clients), num_classes), bool)
+    out[np.repeat(np.arange(len(clients)), lengths), y] = True
+    return out
+
+
+class _Measure:
+    """Loss and correct sums of the listed clients, filled one model at a time, on both test sets.
+
+    A model's pass covers, in each view of the pool, the classes its clients hold (and, when the
+    partition's split is linked to the pool, their proportional rows: one forward serves both)."""
+
+    def __init__(self, ctx: RunContext, clients: np.ndarray):
+        self.model, self.test, self.task = ctx.model, ctx.data.test, ctx.data.task
+        self.clients = np.asarray(clients, np.int64)
+        n = len(self.clients)
+        self.loss = {"proportional": np.zeros(n)}
+        self.hits = {"proportional": np.zeros(n)}
+        self.count = {"proportional": self.test.sizes[self.clients].astype(np.int64)}
+        self.pool: Optional[TestPool] = None
+        self.linked = False
+        if self.task == "classification":
+            pool = self.pool = label_pool(ctx)
+            k = pool.num_classes
+            self.targets = np.asarray(pool.targets(self.clients))  # [n, K]: original class → the client's label
+            own = held_classes(ctx.data.train, self.clients, k)
+            self.mask = np.take_along_axis(own, self.targets, 1)  # over original classes
+            self.labels = np.repeat(np.arange(k), pool.class_sizes)  # each pool row's original class
+            self.loss["label_union"], self.hits["label_union"] = np.zeros(n), np.zeros(n)
+            self.count["label_union"] = (self.mask * pool.class_sizes).sum(1).astype(np.int64)
+            # a distribution shift regroups the test rows: then the proportional rows take their own pass
+            self.linked = pool.position is not None and ctx.data.test is ctx.base_data.test
+
+    # ------------------------------------------------------------------ rows
+    def prop_rows(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of the partition's test split of ``clients[pos]``, back to back, and their counts."""
+        c = self.clients[pos]
+        lengths = self.test.offsets[c + 1] - self.test.offsets[c]
+        return ranges(self.test.offsets[c], lengths), lengths
+
+    def pool_rows(self, pos: np.ndarray) -> np.ndarray:
+        """The rows of one view that clients ``pos`` (all in it) need: their classes, and their
+        proportional rows when linked."""
+        pool = self.pool
+        need = np.zeros(pool.x.shape[1], bool)
+        for a, b in pool.runs(np.flatnonzero(self.mask[pos].any(0))):
+            need[a:b] = True
+        if self.linked:
+            need[pool.position[self.prop_rows(pos)[0]]] = True
+        return np.flatnonzero(need)
+
+    # ------------------------------------------------------------------ absorbing outputs
+    def absorb_rows(self, out: torch.Tensor, y: torch.Tensor, pos: np.ndarray, lengths: np.ndarray) -> None:
+        """Outputs on the proportional rows of ``clients[pos]`` (back to back, ``lengths`` each)."""
+        if len(y) == 0:
+            return
+        loss, hit = row_stats(out, y, self.task)
+        self.loss["proportional"][pos] = segment_sums(loss, lengths)
+        self.hits["proportional"][pos] = segment_sums(hit, lengths)
+
+    def absorb_pool(self, out: torch.Tensor, rows: list[np.ndarray], blocks: list[np.ndarray]) -> None:
+        """Outputs on ``rows[b]`` (of one view each, back to back), on which every client of
+        ``blocks[b]`` was measured (one block of clients sharing a model, or one block per client
+        with its own model): label-union sums from per-(block, class) sums, and (linked) the
+        proportional sums from the same outputs."""
+        k = self.pool.num_classes
+        lengths = np.array([len(r) for r in rows], np.int64)
+        if lengths.sum() == 0:
+            return
+        flat = np.concatenate(rows)
+        group = np.repeat(np.arange(len(rows)), lengths) * k + self.labels[flat]
+        loss, hits = (t.cpu().numpy().reshape(len(rows), k, k)
+                      for t in class_sums(out, torch.from_numpy(group).to(out.device), len(rows) * k))
+        pos = np.concatenate(blocks)
+        block = np.repeat(np.arange(len(blocks)), [len(b) for b in blocks])[:, None]
+        tg, m, cls = self.targets[pos], self.mask[pos], np.arange(k)[None, :]
+        self.loss["label_union"][pos] = (loss[block, cls, tg] * m).sum(1)
+        self.hits["label_union"][pos] = (hits[block, cls, tg] * m).sum(1)
+        if self.linked:
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            at, ids, counts = [], [], []
+            for b, part in enumerate(blocks):
+                idx, n = self.prop_rows(part)
+                at.append(starts[b] + np.searchsorted(rows[b], self.pool.position[idx]))
+                ids.append(idx)
+                counts.append(n)
+            at_t = torch.from_numpy(np.concatenate(at)).to(out.device)
+            y = self.test.y[torch.from_numpy(np.concatenate(ids)).to(self.test.y.device)]
+            self.absorb_rows(out[at_t], y, pos, np.concatenate(counts))
+
+    # ------------------------------------------------------------------ models
+    def shared(self, params: dict[str, torch.Tensor], pos: np.ndarray) -> None:
+        """Clients ``clients[pos]`` all under one model (unstacked ``params``)."""
+        if not self.linked:
+            for part in chunks(pos, EVAL_CHUNK):
+                idx, lengths = self.prop_rows(part)
+                t = torch.from_numpy(idx).to(self.test.x.device)
+                self.absorb_rows(outputs(self.model, params, self.test.x[t]), self.test.y[t], part, lengths)
+        if self.pool is None:
+            return
+        views = self.pool.view[self.clients[pos]]
+        for v in np.unique(views):
+            group = pos[views == v]
+            rows = self.pool_rows(group)
+            x = self.pool.x[int(v)]
+            x = x if len(rows) == len(x) else x[torch.from_numpy(rows).to(x.device)]
+            self.absorb_pool(outputs(self.model, params, x), [rows], [group])
+
+    def own(self, params: dict[str, torch.Tensor], pos: np.ndarray) -> None:
+        """Client ``clients[pos[r]]`` under its own model, row r of the stacked ``params``."""
+        single = [pos[r:r + 1] for r in range(len(pos))]
+        if not self.linked:
+            index = [torch.from_numpy(self.prop_rows(p)[0]).to(self.test.x.device) for p in single]
+            outs = own_outputs(self.model, params, self.test.x, index)
+            if outs:
+                self.absorb_rows(torch.cat(outs), self.test.y[torch.cat(index)], pos, np.array([len(i) for i in index]))
+        if self.pool is None:
+            return
+        pool = self.pool
+        flat = pool.x.reshape(-1, *pool.x.shape[2:])
+        rows = [self.pool_rows(p) for p in single]
+        offset = pool.view[self.clients[pos]] * pool.x.shape[1]
+        index = [torch.from_numpy(rows[r] + offset[r]).to(flat.device) for r in range(len(pos))]
+        outs = own_outputs(self.model, params, flat, index)
+        if outs:
+            self.absorb_pool(torch.cat(outs), rows, single)
+
+    def result(self) -> ClientMetrics:
+        sets = {}
+        for ts in self.loss:
+            n = self.count[ts]
+            d = np.maximum(n, 1)
+            sets[ts] = (self.loss[ts] / d, self.hits[ts] / d, n)
+        return ClientMetrics(sets)
+
+
+EVAL_CHUNK = 4096  # clients per pass over the proportional rows of one model
+
+
+def measure_shared(ctx: RunContext, models: dict[str, torch.Tensor], which: np.ndarray, clients: np.ndarray
+                   ) -> ClientMetrics:
+    """Every listed client under model ``which[i]`` of the stacked ``models`` (−1 counts as
+    model 0, as before): one pass per model over the rows its clients need."""
+    m = _Measure(ctx, clients)
+    which = np.maximum(np.asarray(which, np.int64), 0)
+    for j in np.unique(which):
+        m.shared({k: v[int(j)] for k, v in models.items()}, np.flatnonzero(which == j))
+    return m.result()
+
+
+def measure_own(ctx: RunContext, params: dict[str, torch.Tensor], clients: np.ndarray) -> ClientMetrics:
+    """Every listed client under its own model (row i of ``params`` is ``clients[i]``'s), in
+    chunks of ``train.eval_chunk`` clients."""
+    clients = np.asarray(clients, np.int64)
+    m = _Measure(ctx, clients)
+    for part in chunks(np.arange(len(clients)), ctx.cfg.train.eval_chunk):
+        whole = len(part) == len(clients)
+        sel = torch.from_numpy(part).to(next(iter(params.values())).device)
+        m.own(params if whole else {k: v[sel] for k, v in params.items()}, part)
+    return m.result()
+
+
+# ---------------------------------------------------------------------- summaries
+
+
+def summarise_clients(c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray, task: str, suffix: str = "",
+                      average: str = "samples") -> dict[str, float]:
+    """Mean loss (and accuracy, its minimum and 10th percentile) over clients: weighted by test
+    ``samples``, or unweighted over the ``clients`` that have test samples."""
+    has = n > 0
+    w = n / max(n.sum(), 1) if average == "samples" else has / max(has.sum(), 1)
+    out = {f"loss{suffix}": float((c_loss * w).sum())}
+    if task == "classification":
+        out[f"accuracy{suffix}"] = float((c_acc * w).sum())
+        out[f"accuracy{suffix}_min"] = float(c_acc[has].min()) if has.any() else float("nan")
+        out[f"accuracy{suffix}_p10"] = float(np.percentile(c_acc[has], 10)) if has.any() else float("nan")
+    return out
+
+
+def variant(name: str, test_set: str, average: Optional[str] = None) -> str:
+    """The logged name of a metric under one convention (``accuracy__label_union__clients``;
+    a quantile has no average: ``accuracy_min__label_union``)."""
+    return f"{name}__{test_set}" if average is None else f"{name}__{test_set}__{average}"
+
+
+def family(cm: ClientMetrics, proto: Protocol, task: str, suffix: str = "", wrap: Callable[[str], str] = str,
+           keys: Optional[tuple[str, ...]] = None) -> dict[str, float]:
+    """A family's summaries: the plain names under ``proto`` and every convention's variant.
+    ``suffix`` goes inside the names (``accuracy_pruned_min``), ``wrap`` around them
+    (``unseen_accuracy_min_untuned``); ``keys`` keeps only those (suffixed) names."""
+    out: dict[str, float] = {}
+    for ts, (loss, acc, n) in cm.sets.items():
+        for avg in AVERAGES:
+            for k, v in summarise_clients(loss, acc, n, task, suffix, avg).items():
+                if keys is not None and k not in keys:
+                    continue
+                quantile = k.endswith(("_min", "_p10"))
+                out[variant(wrap(k), ts, None if quantile else avg)] = v
+                if ts == proto.test_set and avg == proto.average:
+                    out[wrap(k)] = v
+    return out
+
+
+def client_results(ctx: RunContext, cm: ClientMetrics, assign: np.ndarray, breakdown: Callable[[Triple], dict]
+                   ) -> dict[str, Any]:
+    """An evaluation's result: the family's summaries, the per-cluster ``breakdown`` of the
+    configured test set's triple, each client's loss and accuracy, and every client's model."""
+    proto, task = protocol(ctx), ctx.data.task
+    if proto.test_set not in cm.sets:  # a family measured by a pre-protocol function: one test set only
+        raise ConfigError(f"eval.test_set: algorithm {ctx.cfg.algorithm.name!r} measures its clients on the proportional "
+                          f"test set only, not {proto.test_set!r}; use eval.test_set=proportional")
+    out: dict[str, Any] = family(cm, proto, task)
+    mine = cm[proto.test_set]
+    out.update(breakdown(mine))
+    out["_client_accuracy"] = mine[1] if task == "classification" else None
+    out["_client_loss"] = mine[0]
+    out["_assignment"] = assign
+    return out
+
+
+def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: RunContext,
+                    clients: Optional[np.ndarray] = None) -> dict[str, Any]:
+    """Per-client test metrics with each client's own model, and their summaries.
+
+    ``assign`` gives the model of every client (all ``ctx.num_clients``); the metrics cover
+    ``clients`` (default: all). ``_assignment`` in the result covers every client."""
+    clients = np.arange(ctx.num_clients) if clients is None else np.asarray(clients, np.int64)
+    mine = assign[clients]
+    k = next(iter(models.values())).shape[0]
+    out = client_results(ctx, measure_shared(ctx, models, mine, clients), assign,
+                         lambda t: cluster_breakdown(ctx, clients, mine, *t, k))
+    if "theta" in ctx.truth:
+        out["min_dist"] = min_dist(models, ctx.truth["theta"])
+    return out
+
+
+def cluster_breakdown(ctx: RunContext, clients: np.ndarray, mine: np.ndarray, c_loss: np.ndarray, c_acc: np.ndarray,
+                      n: np.ndarray, k: int) -> dict[str, Any]:
+    """Per-cluster client counts and accuracy (loss for regression; the mean ``eval.average``
+    says), the number of clusters in use, and ARI/NMI of ``mine`` against the clients' current
+    true groups (when known)."""
+    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+
+    out: dict[str, Any] = {}
+    key = "accuracy" if ctx.data.task == "classification" else "loss"
+    vals = c_acc if key == "accuracy" else c_loss
+    weight = n if ctx.cfg.eval.average == "samples" else (n > 0).astype(np.float64)
+    for j in range(k):
+        m = (mine == j) & (n > 0)
+        out[f"cluster/{j}/clients"] = int((mine == j).sum())
+        if m.any():
+            out[f"cluster/{j}/{key}"] = float((vals[m] * weight[m]).sum() / weight[m].sum())
+    out["num_clusters"] = int(len(np.unique(mine)))
+    group = ctx.data.group[clients]
+    if (group >= 0).all() and len(np.unique(group)) > 1:
+        out["ari"] = float(adjusted_rand_score(group, mine))
+        out["nmi"] = float(normalized_mutual_info_score(group, mine))
+    return out
+
+
+# ---------------------------------------------------------------------- one split, no protocol
+# (the training side's measurements: IFCA's cluster losses, the curriculum's scores, pruning's
+# accuracy gate; they read one split as it is)
 
 
 def client_model_losses(model: nn.Module, models: dict[str, torch.Tensor], split, clients: np.ndarray, task: str
@@ -33,62 +413,6 @@ def client_model_losses(model: nn.Module, models: dict[str, torch.Tensor], split
     return mean_loss.cpu(), mean_acc.cpu(), counts.cpu()
 
 
-EVAL_CHUNK = 4096  # clients per evaluation pass of one model
-
-
-def summarise_clients(c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray, task: str, suffix: str = "") -> dict[str, float]:
-    """Sample-weighted mean loss (and accuracy, its minimum and 10th percentile) over clients."""
-    has = n > 0
-    w = n / max(n.sum(), 1)
-    out = {f"loss{suffix}": float((c_loss * w).sum())}
-    if task == "classification":
-        out[f"accuracy{suffix}"] = float((c_acc * w).sum())
-        out[f"accuracy{suffix}_min"] = float(c_acc[has].min()) if has.any() else float("nan")
-        out[f"accuracy{suffix}_p10"] = float(np.percentile(c_acc[has], 10)) if has.any() else float("nan")
-    return out
-
-
-def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: RunContext,
-                    clients: Optional[np.ndarray] = None) -> dict[str, Any]:
-    """Per-client test metrics with each client's own model, and their summaries.
-
-    ``assign`` gives the model of every client (all ``ctx.num_clients``); the metrics cover
-    ``clients`` (default: all). ``_assignment`` in the result covers every client."""
-    clients = np.arange(ctx.num_clients) if clients is None else np.asarray(clients, np.int64)
-    mine = assign[clients]
-    c_loss, c_acc, n = own_cluster_metrics(ctx.model, models, mine, ctx.data.test, clients, ctx.data.task)
-    out: dict[str, Any] = summarise_clients(c_loss, c_acc, n, ctx.data.task)
-    out.update(cluster_breakdown(ctx, clients, mine, c_loss, c_acc, n, next(iter(models.values())).shape[0]))
-    if "theta" in ctx.truth:
-        out["min_dist"] = min_dist(models, ctx.truth["theta"])
-    out["_client_accuracy"] = c_acc if ctx.data.task == "classification" else None
-    out["_client_loss"] = c_loss
-    out["_assignment"] = assign
-    return out
-
-
-def cluster_breakdown(ctx: RunContext, clients: np.ndarray, mine: np.ndarray, c_loss: np.ndarray, c_acc: np.ndarray,
-                      n: np.ndarray, k: int) -> dict[str, Any]:
-    """Per-cluster client counts and accuracy (loss for regression), the number of clusters
-    in use, and ARI/NMI of ``mine`` against the clients' current true groups (when known)."""
-    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
-
-    out: dict[str, Any] = {}
-    key = "accuracy" if ctx.data.task == "classification" else "loss"
-    vals = c_acc if key == "accuracy" else c_loss
-    for j in range(k):
-        m = (mine == j) & (n > 0)
-        out[f"cluster/{j}/clients"] = int((mine == j).sum())
-        if m.any():
-            out[f"cluster/{j}/{key}"] = float((vals[m] * n[m]).sum() / n[m].sum())
-    out["num_clusters"] = int(len(np.unique(mine)))
-    group = ctx.data.group[clients]
-    if (group >= 0).all() and len(np.unique(group)) > 1:
-        out["ari"] = float(adjusted_rand_score(group, mine))
-        out["nmi"] = float(normalized_mutual_info_score(group, mine))
-    return out
-
-
 def own_cluster_metrics(model: nn.Module, models: dict[str, torch.Tensor], which: np.ndarray, split, clients: np.ndarray,
                         task: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Mean loss and accuracy of every listed client under model ``which[i]`` only: one pass per
@@ -97,7 +421,7 @@ def own_cluster_metrics(model: nn.Module, models: dict[str, torch.Tensor], which
     which = np.maximum(which, 0)
     for j in np.unique(which):
         one = {k: v[int(j) : int(j) + 1] for k, v in models.items()}
-        for pos in chunks(np.flatnonzero(which == j), EVAL_CHUNK):  # a bounded slice of the test data at a time
+        for pos in chunks(np.flatnonzero(which == j), EVAL_CHUNK):  # a bounded slice of the data at a time
             loss, acc, cnt = client_model_losses(model, one, split, clients[pos], task)
             c_loss[pos], c_acc[pos], n[pos] = loss[0].numpy(), acc[0].numpy(), cnt.numpy()
     return c_loss, c_acc, n
@@ -133,6 +457,56 @@ def min_dist(models: dict[str, torch.Tensor], theta: np.ndarray) -> float:
     return float(torch.cdist(w, t).min(1).values.mean())
 
 
+# ---------------------------------------------------------------------- reports over rounds
+
+
+def note_trained(meta: dict, trained: np.ndarray, seen: np.ndarray, round_no: int) -> None:
+    """Track which federating clients have trained; ``meta['all_trained_round']`` becomes the
+    first round (1-based, as history rows count) by which every one of them has."""
+    if "all_trained_round" in meta or len(seen) == 0:
+        return
+    n = int(seen.max()) + 1
+    done = np.unpackbits(meta["trained"], count=n).astype(bool) if "trained" in meta else np.zeros(n, bool)
+    trained = np.asarray(trained, np.int64)
+    done[trained[trained < n]] = True
+    if done[seen].all():
+        meta.pop("trained", None)
+        meta["all_trained_round"] = int(round_no)
+    else:
+        meta["trained"] = np.packbits(done)
+
+
+def reported(rows: list[dict], key: str, mode: str, last_k: int, all_trained: Optional[int]) -> Optional[tuple[float, int]]:
+    """(value, round) of ``key`` under a report mode over the evaluated rows that have it
+    (``mean_last``: the mean of the last ``last_k`` and the last round); None if none qualifies."""
+    have = [(float(r[key]), int(r["round"])) for r in rows
+            if key in r and not (isinstance(r[key], float) and math.isnan(r[key]))]
+    if mode == "best_after_all_seen":
+        have = [h for h in have if all_trained is not None and h[1] >= all_trained]
+    if not have:
+        return None
+    if mode == "final":
+        return have[-1]
+    if mode == "mean_last":
+        tail = have[-last_k:]
+        return float(np.mean([v for v, _ in tail])), tail[-1][1]
+    best = max(v for v, _ in have)
+    return best, next(r for v, r in have if v == best)
+
+
+def report_modes(rows: list[dict], last_k: int, all_trained: Optional[int]) -> dict[str, float]:
+    """Every report mode of every mean accuracy variant in ``rows``
+    (``accuracy__label_union__clients__best``), for the last round's row."""
+    names = sorted({k for r in rows for k in r if "accuracy" in k and k.count("__") == 2})
+    out = {}
+    for k in names:
+        for mode in REPORTS:
+            got = reported(rows, k, mode, last_k, all_trained)
+            if got is not None:
+                out[f"{k}__{mode}"] = got[0]
+    return out
+
+
 def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, Any]:
     """The first evaluated round whose mean accuracy reaches ``target``, and its sim_time."""
     if target is None:
@@ -142,15 +516,40 @@ def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, An
             "sim_time_to_target": hit["sim_time"] if hit else None}
 
 
+SUMMARY_KEYS = (
+    "accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_personal", "accuracy_personal_min",
+    "accuracy_personal_p10", "accuracy_global", "accuracy_finetuned", "accuracy_finetuned_min", "accuracy_finetuned_p10",
+    "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10", "unseen_accuracy_untuned", "ari", "nmi", "num_clusters",
+    "min_dist", "sim_time", "accuracy_pruned", "accuracy_pruned_min", "accuracy_pruned_p10", "accuracy_pruned_finetuned",
+    "sparsity", "channel_sparsity", "comm_bytes", "comm_bytes_thesis")
+
+
 def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
-    """Final metrics, the median round time leaving out the first round, and time to target."""
-    last = state.history[-1] if state.history else {}
-    keep = ("accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_finetuned", "accuracy_finetuned_min",
-            "accuracy_finetuned_p10", "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10",
-            "unseen_accuracy_untuned", "ari", "nmi", "num_clusters", "min_dist", "sim_time", "accuracy_pruned",
-            "accuracy_pruned_min", "accuracy_pruned_finetuned", "sparsity", "channel_sparsity", "comm_bytes",
-            "comm_bytes_thesis")
-    metrics = {k: last[k] for k in keep if k in last and not (isinstance(last[k], float) and math.isnan(last[k]))}
-    times = [h["round_time_s"] for h in state.history[1:]] or [h["round_time_s"] for h in state.history]
-    return {"metrics": metrics, "round_s_median": float(np.median(times)) if times else float("nan"),
-            **time_to_target(state.history, target)}
+    """The run's metrics under its protocol (``state.meta['eval_protocol']``): every accuracy
+    family from the round its report mode picks, everything else from the last round; the
+    protocol itself (with the round ``accuracy`` comes from and when every client had trained),
+    every report mode of every convention of ``accuracy``, the median round time leaving out
+    the first round, and time to target."""
+    proto = Protocol(**state.meta.get("eval_protocol", {}))
+    rows = state.history
+    last = rows[-1] if rows else {}
+    all_trained = state.meta.get("all_trained_round")
+    metrics: dict[str, Any] = {}
+    for k in SUMMARY_KEYS:
+        if "accuracy" in k:
+            got = reported(rows, k, proto.report, proto.last_k, all_trained)
+            if got is not None:
+                metrics[k] = got[0]
+        elif k in last and not (isinstance(last[k], float) and math.isnan(last[k])):
+            metrics[k] = last[k]
+    headline = reported(rows, "accuracy", proto.report, proto.last_k, all_trained)
+    reports = {f"{ts}/{avg}": {mode: got[0] for mode in REPORTS
+                               if (got := reported(rows, variant("accuracy", ts, avg), mode, proto.last_k, all_trained))}
+               for ts in TEST_SETS for avg in AVERAGES}
+    times = [h["round_time_s"] for h in rows[1:]] or [h["round_time_s"] for h in rows]
+    return {"metrics": metrics,
+            "protocol": {**proto.asdict(), "accuracy_round": headline[1] if headline else None,
+                         "all_trained_round": all_trained},
+            "reports": {k: v for k, v in reports.items() if v},
+            "round_s_median": float(np.median(times)) if times else float("nan"),
+            **time_to_target(rows, target)}

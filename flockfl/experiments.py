@@ -109,6 +109,53 @@ def _check_registered(cfg: ExperimentConfig) -> None:
         part.server_holdout = int(resolved["server_data_size"]) if "server_data_size" in declared(cls) else 0
     cls.check_config(cfg)
     check_natural_only(cfg.dataset.name, part.scheme)
+    _check_local_optimiser(cfg)
+    _check_test_split(cfg)
+
+
+def _check_test_split(cfg: ExperimentConfig) -> None:
+    """``partition.test_split=local`` merges the dataset's test set into the clients' data, so
+    there is no global test set left for ``eval.test_set=label_union`` to draw from; and the
+    local fraction means nothing without the local split."""
+    part = cfg.partition
+    default = type(part).model_fields["local_test_fraction"].default
+    if part.test_split == "global" and part.local_test_fraction != default:
+        raise ValueError(f"partition.local_test_fraction: {part.local_test_fraction} splits each client's own samples, "
+                         "which only partition.test_split=local does; set test_split=local or remove it")
+    if part.test_split == "local" and cfg.eval.test_set == "label_union":
+        raise ValueError("eval.test_set: 'label_union' takes every test sample of a client's labels from the dataset's "
+                         "test set, which partition.test_split=local merges into the clients' data; use "
+                         "eval.test_set=proportional (each client's own local test split)")
+
+
+def _own_local_update(cfg: ExperimentConfig) -> str | None:
+    """What a client of this algorithm trains with instead of the trainers' SGD step (which is
+    where ``train.weight_decay`` and ``train.lr_schedule`` act), or None."""
+    name, hp = cfg.algorithm.name, cfg.algorithm.hyper()
+    own = {"apfl": "its own (v, α) loop", "pfedme": "its own Moreau-envelope loop", "perfedavg": "its own MAML step"}
+    if name == "fedsplit" and hp.get("prox") == "exact":
+        return "the exact prox solve (prox=exact)"
+    if name == "ifca" and hp.get("option") == "gradient":
+        return "one gradient step at train.lr (option=gradient)"
+    return own.get(name)
+
+
+def _check_local_optimiser(cfg: ExperimentConfig) -> None:
+    """Weight decay and the learning-rate schedule act in the trainers' local SGD step; refuse
+    them (one line) where a client's update does not run through it, or where the algorithm's
+    server step divides by one constant local η (SCAFFOLD option II's (x − y_i)/(Kη), FedNova's
+    ‖a_i‖₁), instead of quietly ignoring or mis-scaling them."""
+    t = cfg.train
+    own = _own_local_update(cfg)
+    if own and (t.weight_decay or t.lr_schedule != "constant"):
+        key, value = ("train.weight_decay", t.weight_decay) if t.weight_decay else ("train.lr_schedule", t.lr_schedule)
+        raise ValueError(f"{key}: {value!r} acts in the trainers' SGD step, but {cfg.algorithm.name} trains each client "
+                         f"with {own}; remove it (weight_decay=0, lr_schedule=constant)")
+    name, hp = cfg.algorithm.name, cfg.algorithm.hyper()
+    if t.lr_schedule != "constant" and (name == "fednova" or (name == "scaffold" and hp.get("option") == "II")):
+        what = "‖a_i‖₁ of one constant local η" if name == "fednova" else "(x − y_i)/(K·train.lr), one constant local η"
+        raise ValueError(f"train.lr_schedule: {t.lr_schedule!r} changes the local rate, but {name} normalises by {what}; "
+                         "use train.lr_schedule=constant")
 
 
 def read_mapping(path: Path, what: str) -> dict[str, Any]:

@@ -5,7 +5,10 @@ Two blocks in ``docs/`` are generated, never written by hand:
 - ``docs/config.md``, between ``<!-- config-table:start -->`` and ``<!-- config-table:end -->``:
   every config key, from the pydantic schema in :mod:`flockfl.config` (:func:`config_table`);
 - ``docs/algorithms.md``, between ``<!-- algorithms:start -->`` and ``<!-- algorithms:end -->``:
-  every algorithm, from the algorithms' own declarations (:func:`algorithm_table`).
+  every algorithm, from the algorithms' own declarations (:func:`algorithm_table`), and between
+  ``<!-- default-sources:start -->`` and ``<!-- default-sources:end -->``: where each seed
+  method's defaults come from (paper, thesis, official code, library, or the data), per key
+  (:func:`sources_table`).
 
 ``python -m flockfl.reference`` rewrites both in place (``--check`` only reports stale blocks);
 ``tests/test_docs.py`` and ``tests/test_hyper.py`` fail while a block is stale.
@@ -192,13 +195,22 @@ def algorithm_table() -> str:
     return table()
 
 
+def sources_table() -> str:
+    """docs/algorithms.md's table of the seed methods' defaults and where each comes from."""
+    from flockfl.algorithms import sources_table as table
+
+    return table()
+
+
 # ---------------------------------------------------------------------- the docs
 
 
-BLOCKS: dict[str, tuple[str, Callable[[], str]]] = {
-    "docs/config.md": ("config-table", config_table),
-    "docs/algorithms.md": ("algorithms", algorithm_table),
-}
+# (file, marker, what writes the block); a file may hold several blocks
+BLOCKS: list[tuple[str, str, Callable[[], str]]] = [
+    ("docs/config.md", "config-table", config_table),
+    ("docs/algorithms.md", "algorithms", algorithm_table),
+    ("docs/algorithms.md", "default-sources", sources_table),
+]
 
 
 def block_pattern(marker: str) -> re.Pattern:
@@ -218,13 +230,14 @@ def write_docs(root: Path = ROOT, check: bool = False) -> list[str]:
     """Rewrite every generated block in place; returns the files that were (``check``: would
     be) changed. A file without its markers is an error: the markers are never removed."""
     changed = []
-    for rel, (marker, make) in BLOCKS.items():
+    for rel in dict.fromkeys(rel for rel, _, _ in BLOCKS):
         path = root / rel
-        text = path.read_text()
-        if read_block(text, marker) is None:
-            raise SystemExit(f"{rel}: the markers <!-- {marker}:start --> / <!-- {marker}:end --> are missing")
-        block = f"<!-- {marker}:start -->\n{make()}\n<!-- {marker}:end -->"
-        new = block_pattern(marker).sub(lambda _: block, text, count=1)
+        text = new = path.read_text()
+        for marker, make in ((m, f) for r, m, f in BLOCKS if r == rel):
+            if read_block(new, marker) is None:
+                raise SystemExit(f"{rel}: the markers <!-- {marker}:start --> / <!-- {marker}:end --> are missing")
+            block = f"<!-- {marker}:start -->\n{make()}\n<!-- {marker}:end -->"
+            new = block_pattern(marker).sub(lambda _: block, new, count=1)
         if new != text:
             changed.append(rel)
             if not check:

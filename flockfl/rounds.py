@@ -16,15 +16,15 @@ import numpy as np
 import torch
 
 from flockfl.algorithms import Algorithm, build_algorithm
-from flockfl.clientstate import chunks, joined
+from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext, unseen_clients
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine.data import ClientData
 from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
-from flockfl.engine.functional import index_params
 from flockfl.errors import ConfigError
-from flockfl.evaluation import own_model_metrics, summarise_clients
+from flockfl.evaluation import (ClientMetrics, Protocol, check_protocol, family, measure_own, measure_shared, note_trained,
+                                protocol, report_modes)
 from flockfl.faults import maybe_crash
 from flockfl.stages import build_stages
 from flockfl.state import ServerState, on_device
@@ -103,6 +103,7 @@ def check_task(cfg: ExperimentConfig, ds) -> None:
     if ds.task == "classification" and cfg.model.name == "linear":
         raise ConfigError(f"model.name: 'linear' is a regression model; dataset {cfg.dataset.name!r} has class labels, "
                           "so it needs a classifier (mclr, mlp, lenet5, lenet5_bn or cnn_bn)")
+    check_protocol(cfg, ds.task)
 
 
 def check_population(cfg: ExperimentConfig, num_clients: int) -> None:
@@ -244,8 +245,8 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
         parts = []
         for part in chunks(ctx.seen, cfg.train.eval_chunk):
             res = alg.finetune(state, ctx, part, metrics["_assignment"][part], round, engine, "finetune")
-            parts.append(own_model_metrics(ctx.model, res.params, ctx.data.test, part, ctx.data.task))
-        metrics.update(summarise_clients(*joined(parts), ctx.data.task, "_finetuned"))
+            parts.append(measure_own(ctx, res.params, part))
+        metrics.update(family(ClientMetrics.join(parts), protocol(ctx), ctx.data.task, "_finetuned"))
     if last and len(ctx.unseen):
         metrics.update(newcomer_metrics(prep, state, round, engine))
     maybe_crash("evaluate", round)
@@ -258,12 +259,11 @@ def newcomer_metrics(prep: PreparedRun, state: ServerState, round: int, engine: 
     ``unseen_accuracy_untuned`` (the model they were given)."""
     alg, ctx = prep.algorithm, prep.ctx
     joined, assign, rule = alg.admit_newcomers(state, ctx, ctx.unseen)
-    loss0, acc0, n = own_model_metrics(ctx.model, index_params(joined.models, torch.from_numpy(assign)),
-                                       ctx.data.test, ctx.unseen, ctx.data.task)
+    proto, task = protocol(ctx), ctx.data.task
+    untuned = measure_shared(ctx, joined.models, assign, ctx.unseen)
     res = alg.finetune(joined, ctx, ctx.unseen, assign, round, engine, "newcomer")
-    loss, acc, _ = own_model_metrics(ctx.model, res.params, ctx.data.test, ctx.unseen, ctx.data.task)
-    out = {f"unseen_{k}": v for k, v in summarise_clients(loss, acc, n, ctx.data.task).items()}
-    out.update({f"unseen_{k}_untuned": v for k, v in summarise_clients(loss0, acc0, n, ctx.data.task).items()})
+    out = family(measure_own(ctx, res.params, ctx.unseen), proto, task, wrap=lambda k: f"unseen_{k}")
+    out.update(family(untuned, proto, task, wrap=lambda k: f"unseen_{k}_untuned"))
     out["_newcomers"] = {"clients": ctx.unseen.tolist(), "clusters": assign.tolist(), "rule": rule,
                          "new_clusters": int(joined.k - state.k)}
     return out
@@ -333,7 +333,9 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
     round's accounting, and its assignment-history row repeats the last known assignments.
     ``sim_round_time`` uses the local steps the trained clients actually took. Counts the
     round's stages logged (``state.meta['round_log']``: clients shifted, migrated, ...) join
-    the row.
+    the row. The state's meta keeps the run's evaluation protocol and which clients have trained
+    (for ``eval.report=best_after_all_seen``); the last round's row adds every report mode of
+    every accuracy convention (``flockfl.evaluation.report_modes``).
     """
     last = state.history[-1] if state.history else {}
     sim_total = last.get("sim_time", 0.0) + work.sim
@@ -348,6 +350,12 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
         row.update(st.row(work.thesis, last))
     if metrics and "_newcomers" in metrics:
         meta["newcomers"] = metrics["_newcomers"]
+    proto = Protocol.of(prep.cfg)
+    meta["eval_protocol"] = proto.asdict()
+    note_trained(meta, np.setdiff1d(np.asarray(work.clients, np.int64), np.asarray(work.dropped, np.int64)), prep.ctx.seen,
+                 state.round + 1)
+    if metrics is not None and state.round + 1 == prep.cfg.train.rounds:
+        row.update(report_modes(state.history + [row], proto.last_k, meta.get("all_trained_round")))
     assigned = metrics["_assignment"] if metrics else state.assignments
     hist = np.vstack([state.assignment_history, assigned[None, :]])
     return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist, meta=meta), row

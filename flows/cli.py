@@ -61,9 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("--markdown", action="store_true", help="the algorithm table of docs/algorithms.md")
     # commands that live in their own modules: each module's add_parser(sub) registers its
     # subcommand(s) and sets ``handler`` (args -> int exit code); the modules stay light at import
-    from flows import report, schedule, server, sweep
+    from flows import repro, report, schedule, server, sweep
 
-    for mod in (sweep, report, schedule, server):
+    for mod in (sweep, repro, report, schedule, server):
         mod.add_parser(sub)
     return p
 
@@ -228,17 +228,18 @@ def _print_summary(s: dict) -> None:
 def _print_algorithm(d: dict) -> None:
     print(f"{d['name']}: {d['paper']}")
     print(f"stages it overrides: {', '.join(d['stages']) or 'none (FedAvg)'}")
-    print("hyper-parameters:")
-    rows = [(h["key"], repr(h["default"]), h["allowed"], h["symbol"], h["meaning"]) for h in d["hyperparameters"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)] if rows else []
+    print("hyper-parameters (key, default, allowed, symbol, source of the default, meaning [which value, where]):")
+    rows = [(h["key"], repr(h["default"]), h["allowed"], h["symbol"], h.get("source") or "–",
+             h["meaning"] + (f" [{h['source_note']}]" if h.get("source_note") else "")) for h in d["hyperparameters"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)] if rows else []
     for r in rows:
-        print("  " + "  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4])
+        print("  " + "  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     configure_environment(verbose=args.verbose)
-    if args.command in ("run", "resume", "sweep"):
+    if args.command in ("run", "resume", "sweep") or (args.command == "repro" and not (args.list or args.dry_run)):
         # Prefect's API starts now, on the other core, while torch, MLflow and the data load
         from flows import apiserver
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 import time
 import traceback
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Optional
@@ -29,7 +30,7 @@ from flockfl.experiments import validate
 from flockfl.state import ServerState
 from flows.dask import DaskTraining, dask_cluster, dask_stage, shared_prefect_api
 from flows.rundir import read_run_file, write_run_file
-from tasks.tracking import Tracker
+from tasks.tracking import BackgroundTracker, Tracker, prefetch
 
 class Progress:
     """A rich progress bar on stderr (only when stderr is a terminal)."""
@@ -96,24 +97,34 @@ def _heartbeats_without_join() -> None:
 _heartbeats_without_join()
 
 
-def _open_tracker(cfg: ExperimentConfig, state: ServerState, run_dir: Path, uri: str,
-                  parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
-                  run_name: Optional[str] = None) -> Optional[Tracker]:
+# runs whose tracking is still closing (the models exporting) after their flow returned:
+# run_experiment waits for it (settle), or a sweep does while its next run goes on
+_CLOSING: dict[str, tuple[BackgroundTracker, Optional[Future]]] = {}
+
+
+def _key(run_dir) -> str:
+    return str(Path(run_dir).resolve())
+
+
+def open_tracking(cfg: ExperimentConfig, run_dir: Path, uri: str, parent_run_id: Optional[str] = None,
+                  run_tags: Optional[dict] = None, run_name: Optional[str] = None) -> Optional[BackgroundTracker]:
+    """Start opening the run's MLflow run in the background: the one run.json names (a resumed
+    run), else a new one, whose id goes into run.json as soon as it exists (before any
+    checkpoint, so a killed run resumes into it)."""
     if not cfg.tracking.enabled:
         return None
-    info = read_run_file(run_dir)
-    run_id = state.meta.get("mlflow_run_id") or info.get("mlflow_run_id")
+    run_id = read_run_file(run_dir).get("mlflow_run_id")
     tags = {"flockfl.run_dir": str(run_dir.resolve()), "flockfl.config_sha256": cfg.digest()}
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id  # a nested run (sweeps, comparisons)
     tags.update(run_tags or {})
-    tracker = Tracker(uri, cfg.tracking.experiment or cfg.name, run_name or run_dir.name, run_id=run_id,
-                      params=cfg.to_flat(), tags=tags)
-    if run_id is None:
-        info["mlflow_run_id"] = tracker.run_id
-        write_run_file(run_dir, info)
-    state.meta["mlflow_run_id"] = tracker.run_id
-    return tracker
+
+    def record(t: Tracker) -> None:
+        if run_id is None:
+            write_run_file(run_dir, {**read_run_file(run_dir), "mlflow_run_id": t.run_id})
+
+    return BackgroundTracker(uri, cfg.tracking.experiment or cfg.name, run_name or run_dir.name, run_id=run_id,
+                             params=cfg.to_flat(), tags=tags, on_open=record)
 
 
 def task_stages(remote: Optional["DaskTraining"] = None) -> rounds.Stages:
@@ -155,25 +166,34 @@ def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optiona
 CHECKPOINT_ARTIFACT_MAX = 64 << 20  # a larger checkpoint (dense per-client state) is referenced, not copied
 
 
-def checkpoint_reference(run_dir: Path, ckpt: Path, state: ServerState) -> dict:
+def checkpoint_reference(run_dir: Path, ckpt: Path, state_sha256: str) -> dict:
     """Where the run's full state lives: the checkpoint file and its per-client row store."""
     import hashlib
 
     rows = run_dir / "client_state"
     return {"run_dir": str(run_dir.resolve()), "checkpoint": str(ckpt.resolve()),
-            "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest(), "state_sha256": state.digest(),
+            "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest(), "state_sha256": state_sha256,
             "client_state_dir": str(rows.resolve()) if rows.is_dir() else None,
             "client_state_bytes": sum(f.stat().st_size for f in rows.rglob("*.row")) if rows.is_dir() else 0,
             "resume": f"flock resume {run_dir.resolve()}"}
 
 
-def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, tracker: Optional[Tracker],
-              phases: Optional[dict] = None) -> dict:
+def _mark_finished(run_dir: Path) -> None:
+    write_run_file(run_dir, {**read_run_file(run_dir), "finished": True})
+
+
+def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, tracker: Optional[BackgroundTracker],
+              phases: Optional[dict] = None) -> Optional[Future]:
+    """The run's end. Here: the plots and ``assignments.npz``. Then, queued on the tracking
+    thread (so the models export while this process finishes the flow, or a sweep its next
+    run), in this order: the artifacts, the models, the tags, run.json's ``finished`` mark and
+    the FINISHED status. A kill anywhere in between leaves a run that ``flock resume`` finishes,
+    exporting only the models it lacks. Returns that job (``{"model_versions", "models_s"}``),
+    or None without tracking (then the run is marked finished here)."""
     from flockfl import plots
 
     phases = {} if phases is None else phases
     cfg = prep.cfg
-    out: dict[str, Any] = {}
     plot_dir = run_dir / "plots"
     plot_dir.mkdir(exist_ok=True)
     files = []
@@ -194,27 +214,43 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
     dtype = np.int16 if hist.size == 0 or hist.max() < 32767 else np.int32
     assignments = run_dir / "assignments.npz"
     np.savez_compressed(assignments, history=hist.astype(dtype), groups=np.asarray(prep.ctx.data.group, np.int32))
-    if tracker:
-        tracker.log_artifact(assignments)
-        for f in files:
-            tracker.log_artifact(f, "plots")
-        if "newcomers" in state.meta:
-            tracker.log_dict(state.meta["newcomers"], "newcomers.json")
-        ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
-        if ckpts:  # per-client rows stay in the run directory: MLflow gets a reference, not a copy
-            tracker.log_dict(checkpoint_reference(run_dir, ckpts[-1], state), "checkpoint/reference.json")
-            if ckpts[-1].stat().st_size <= CHECKPOINT_ARTIFACT_MAX:
-                tracker.log_artifact(ckpts[-1], "checkpoint")
-        name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
-        example = prep.ctx.data.train.x[:2].cpu().numpy()
-        with _timed(phases, "models"):
-            out["model_versions"] = tracker.log_models(prep.ctx.model, state.models, name, example,
-                                                       cfg.tracking.model_format)
-        tracker.set_tags({"flockfl.engine": state.meta.get("engine", ""),
-                          "flockfl.engine_reason": state.meta.get("engine_reason", ""),
-                          "flockfl.partition_sha256": prep.partition_hash,
-                          "flockfl.state_sha256": state.digest()})
-    return out
+    if not tracker:
+        _mark_finished(run_dir)
+        return None
+    # what the job needs, taken now (it must not hold on to the prepared run: a sweep's next run is
+    # loading meanwhile): the model template, the final tensors and one input example
+    model, models, newcomers = prep.ctx.model, state.models, state.meta.get("newcomers")
+    example = prep.ctx.data.train.x[:2].cpu().numpy()
+    name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
+    digest = state.digest()
+    tags = {"flockfl.engine": state.meta.get("engine", ""), "flockfl.engine_reason": state.meta.get("engine_reason", ""),
+            "flockfl.partition_sha256": prep.partition_hash, "flockfl.state_sha256": digest}
+
+    def close(t: Tracker) -> dict:
+        try:
+            t.log_artifact(assignments)
+            for f in files:
+                t.log_artifact(f, "plots")
+            if newcomers is not None:
+                t.log_dict(newcomers, "newcomers.json")
+            ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
+            if ckpts:  # per-client rows stay in the run directory: MLflow gets a reference, not a copy
+                t.log_dict(checkpoint_reference(run_dir, ckpts[-1], digest), "checkpoint/reference.json")
+                if ckpts[-1].stat().st_size <= CHECKPOINT_ARTIFACT_MAX:
+                    t.log_artifact(ckpts[-1], "checkpoint")
+            t0 = time.perf_counter()
+            versions = t.log_models(model, models, name, example, cfg.tracking.model_format)
+            models_s = time.perf_counter() - t0
+            t.set_tags(tags)
+            _mark_finished(run_dir)
+            t.finish("FINISHED")
+            return {"model_versions": versions, "models_s": models_s}
+        except BaseException:
+            (run_dir / "error.log").write_text(traceback.format_exc())
+            t.finish("FAILED")
+            raise
+
+    return tracker.submit(close, "close")
 
 
 @flow(name="flockfl-experiment", persist_result=False, log_prints=False)
@@ -237,34 +273,38 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     with _timed(phases, "restore"):
         state, warnings = tasks.restore(Q(prep), run_dir)
     resumed_from = state.round
-    with _timed(phases, "tracker"):
-        tracker = _open_tracker(cfg, state, run_path, tracking_uri, parent_run_id, run_tags, run_name)
-    logged = tracker.last_logged_round() if tracker else 0
-    if tracker and logged == 0 and prep.info.get("heterogeneity"):  # the partition's heterogeneity measures
-        tracker.log_values({f"partition_{k}": v for k, v in prep.info["heterogeneity"].items()
-                            if isinstance(v, (int, float))}, step=0)
-    if tracker and logged < state.round:  # a resumed run: log the rounds the crash kept from MLflow
-        tasks.log_metrics(Q(tracker), [h for h in state.history if h["round"] > logged])
+    with _timed(phases, "tracker"):  # the MLflow run is created in the background (MLflow and the
+        # store were loaded in the background since execute/run_experiment: prefetch)
+        tracker = open_tracking(cfg, run_path, tracking_uri, parent_run_id, run_tags, run_name)
+    if tracker:  # the partition's measures on a new run; the rounds a killed run never logged
+        tracker.catch_up({f"partition_{k}": v for k, v in (prep.info.get("heterogeneity") or {}).items()
+                          if isinstance(v, (int, float))}, [dict(h) for h in state.history])
     bar = Progress(cfg.train.rounds, state.round, cfg.name, progress)
     periods, overhead = [], []
     clock = {"t0": time.perf_counter(), "body0": tasks.BODY_SECONDS[0]}
 
+    def save(st: ServerState) -> None:
+        if tracker:  # the MLflow run a resume continues (waits for it to exist: by now it does)
+            tracker.check()  # a failed log fails the run here, not at its end
+            st.meta["mlflow_run_id"] = tracker.run_id
+        tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
+
     def after_pre_federation(st: ServerState) -> None:
-        tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)  # resume never redoes it
+        save(st)  # resume never redoes it
         if tracker:
             tracker.log_pre_federation(st.meta["pre_federation"])
         phases["pre_federation"] = time.perf_counter() - clock["drive0"]  # the algorithm's one-shot step
         clock.update(t0=time.perf_counter(), body0=tasks.BODY_SECONDS[0])
 
     def after_cycle(st: ServerState) -> None:  # mid-round (FedCluster's cycles): resume starts at the next cycle
-        tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
+        save(st)
 
     def after_round(st: ServerState, row: dict) -> None:
         if remote:  # the round's traffic between this process and the workers (row is st.history[-1])
             row.update(remote.take_counts())
-        tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
-        if tracker and row["round"] > logged:  # after a fallback to an older checkpoint, a
-            tasks.log_metrics(Q(tracker), Q([row]))  # recomputed round was logged already
+        save(st)
+        if tracker:
+            tasks.log_metrics(Q(tracker), Q([row]))
         bar.update(row)
         now = time.perf_counter()
         periods.append(now - clock["t0"])
@@ -279,24 +319,24 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
             state = rounds.drive(prep, state, task_stages(remote), on_pre_federation=after_pre_federation,
                                  on_round=after_round, on_cycle=after_cycle)
         bar.close()
-        info = read_run_file(run_path)
         # a resume of a run that had already finished must not register its models again
         with _timed(phases, "finalise"):
-            extra = ({} if resumed_from >= cfg.train.rounds and info.get("finished")
-                     else _finalise(prep, state, run_path, tracker, phases))
-        info["finished"] = True
-        write_run_file(run_path, info)
+            if resumed_from >= cfg.train.rounds and read_run_file(run_path).get("finished"):
+                closing = tracker.finish("FINISHED") if tracker else None
+            else:
+                closing = _finalise(prep, state, run_path, tracker, phases)
     except BaseException:
         bar.close()
         (run_path / "error.log").write_text(traceback.format_exc())
         if tracker:
             tracker.finish("FAILED")
+            tracker.close(raise_errors=False)
         raise
     if tracker:
-        tracker.finish("FINISHED")
+        _CLOSING[_key(run_path)] = (tracker, closing)
     summary = summarise(state, cfg.train.target_accuracy)
     timed = periods[1:] or periods
-    return {
+    out = {
         "run_id": tracker.run_id if tracker else None,
         "run_dir": str(run_path),
         "experiment": cfg.name,
@@ -311,7 +351,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "phases_s": phases,  # where the flow's time went (drive includes the rounds)
         "round_s_median": float(np.median(timed)) if timed else float("nan"),
         "compute_round_s_median": summary["round_s_median"],
-        **{k: summary[k] for k in ("target_accuracy", "rounds_to_target", "sim_time_to_target") if k in summary},
+        **{k: summary[k] for k in ("target_accuracy", "rounds_to_target", "sim_time_to_target", "protocol", "reports")
+           if k in summary},
         "orchestration_ms_median": float(np.median(overhead[1:] or overhead)) * 1000 if overhead else float("nan"),
         "engine": state.meta.get("engine"),
         "engine_reason": state.meta.get("engine_reason"),
@@ -328,8 +369,9 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                            + sum(v for k, v in state.meta.get("pre_federation", {}).items() if k.startswith("bytes"))),
         **({"pre_federation": state.meta["pre_federation"]} if "pre_federation" in state.meta else {}),
         **({"newcomers": state.meta["newcomers"]} if "newcomers" in state.meta else {}),
-        **extra,
     }
+    out["body_at"] = (t_start, time.perf_counter())  # for run_experiment's flow_start / flow_end phases
+    return out
 
 
 def _executor_summary(history: list[dict]) -> dict:
@@ -343,32 +385,74 @@ def _executor_summary(history: list[dict]) -> dict:
 
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, tracking_uri: str,
                    progress: bool = True, parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
-                   run_name: Optional[str] = None) -> dict:
+                   run_name: Optional[str] = None, wait: bool = True) -> dict:
     """Run the flow with a thread pool sized for the shards (one at a time on small machines),
     or with ``executor.kind=dask`` on a DaskTaskRunner (the scheduler at ``executor.address``, or
-    a LocalCluster started and closed here)."""
+    a LocalCluster started and closed here).
+
+    ``wait=False`` returns as soon as the rounds and plots are done, while the run's tracking
+    closes in the background (the models export); :func:`settle` then waits for it and adds
+    ``model_versions`` to the summary. A sweep settles each run while the next one goes on."""
     from flows import apiserver
 
+    if cfg.tracking.enabled:
+        prefetch(tracking_uri)
+    t_api = time.perf_counter()
     apiserver.wait_ready()  # the per-process API flock started first thing (no-op otherwise)
     args = (cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id, run_tags, run_name)
     flow_run_name = run_name or cfg.name
-    if cfg.executor.kind == "dask":
-        from prefect_dask import DaskTaskRunner
+    t_call = time.perf_counter()
+    try:
+        if cfg.executor.kind == "dask":
+            from prefect_dask import DaskTaskRunner
 
-        with dask_cluster(cfg.executor) as address, shared_prefect_api(address):
-            runner = DaskTaskRunner(address=address, client_kwargs={"timeout": f"{cfg.executor.connect_timeout_s}s"})
-            return experiment_flow.with_options(task_runner=runner, flow_run_name=flow_run_name)(*args)
-    runner = ThreadPoolTaskRunner(max_workers=max(1, cfg.train.parallel_shards))
-    return experiment_flow.with_options(task_runner=runner, flow_run_name=flow_run_name)(*args)
+            with dask_cluster(cfg.executor) as address, shared_prefect_api(address):
+                runner = DaskTaskRunner(address=address, client_kwargs={"timeout": f"{cfg.executor.connect_timeout_s}s"})
+                summary = experiment_flow.with_options(task_runner=runner, flow_run_name=flow_run_name)(*args)
+        else:
+            runner = ThreadPoolTaskRunner(max_workers=max(1, cfg.train.parallel_shards))
+            summary = experiment_flow.with_options(task_runner=runner, flow_run_name=flow_run_name)(*args)
+    except BaseException:
+        pending = _CLOSING.pop(_key(run_dir), None)  # the flow failed after its rounds: nothing waits for it
+        if pending:
+            pending[0].close(raise_errors=False)
+        raise
+    # Prefect's own time around the flow body: waiting for the API, creating the flow run, ending it
+    started, ended = summary.pop("body_at")
+    summary["phases_s"].update(api_wait=t_call - t_api, flow_start=started - t_call, flow_end=time.perf_counter() - ended)
+    return settle(summary) if wait else summary
+
+
+def settle(summary: dict) -> dict:
+    """Wait until the run's tracking is closed (artifacts, models, FINISHED) and complete its
+    summary: ``model_versions`` and ``tracking_s`` (what the tracking thread spent, off the
+    run's path: opening the run, ``models``, …) and ``phases_s["close_wait"]`` (how long this
+    waited for it). Re-raises a failure of the tracking (the run is then FAILED, with its
+    error.log, and ``flock resume`` finishes it). A no-op for a run without tracking."""
+    pending = _CLOSING.pop(_key(summary["run_dir"]), None)
+    if pending is None:
+        return summary
+    tracker, closing = pending
+    t = time.perf_counter()
+    try:
+        tracker.close()
+        done = closing.result() if isinstance(closing, Future) else None
+    finally:
+        summary.setdefault("phases_s", {})["close_wait"] = time.perf_counter() - t
+        summary["tracking_s"] = dict(tracker.seconds)
+    if isinstance(done, dict):
+        summary["model_versions"] = done["model_versions"]
+        summary["tracking_s"]["models"] = done["models_s"]
+    return summary
 
 
 def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str], partitions_root: str, fresh: bool,
             progress: bool = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
-            run_tags: Optional[dict] = None, run_name: Optional[str] = None) -> dict:
+            run_tags: Optional[dict] = None, run_name: Optional[str] = None, wait: bool = True) -> dict:
     """Run or resume ``cfg`` in ``run_dir``: what ``flock run``, ``flock resume``, a sweep's
     child and a scheduled run all do. A fresh run first builds its partition (before Prefect:
     data errors are one line) and writes run.json; the metrics also go to ``metrics_file``
-    (for DVC) when given here or in run.json."""
+    (for DVC) when given here or in run.json. ``wait``: see :func:`run_experiment`."""
     import datetime as dt
     import json
 
@@ -376,6 +460,8 @@ def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str]
     from tasks.tracking import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri, cfg.tracking.uri)
+    if cfg.tracking.enabled:
+        prefetch(uri)  # MLflow imports and opens its store while the partition builds
     info = read_run_file(run_dir)
     if fresh or "config" not in info:
         build_partition(cfg, partitions_root)
@@ -384,7 +470,7 @@ def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str]
                      "metrics_file": metrics_file, "created": dt.datetime.now().isoformat()})
         write_run_file(run_dir, info)
     summary = run_experiment(cfg, run_dir, info.get("partitions_root", partitions_root), uri, progress=progress,
-                             parent_run_id=parent_run_id, run_tags=run_tags, run_name=run_name)
+                             parent_run_id=parent_run_id, run_tags=run_tags, run_name=run_name, wait=wait)
     if info.get("metrics_file") or metrics_file:
         path = Path(info.get("metrics_file") or metrics_file)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
               log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> SweepResult:
     """Run (or continue) every child of ``plan`` in this process; see the module docstring."""
     from flockfl.data.store import build_partition
-    from flows.experiment import execute
+    from flows.experiment import execute, settle
     from flows.rundir import read_run_file
     from flockfl.state import list_checkpoints
     from tasks.tracking import Tracker, resolve_tracking_uri
@@ -229,26 +229,44 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
 
     tags = {"flockfl.sweep.dir": str(sweep_dir.resolve())}
 
-    def run_child(child: Child) -> None:
+    def fail(child: Child, err: Exception) -> None:  # one run failing does not stop the sweep; it is recorded
+        if os.environ.get("FLOCKFL_DEBUG"):
+            raise err
+        child.status, child.summary = "failed", None
+        child.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        log(f"sweep: {child.key} failed: {child.error} (its run directory {child.run_dir} keeps error.log)")
+        record(child)
+
+    def run_child(child: Child) -> Optional[Child]:
+        """Run ``child`` up to its end; its tracking (the model export) goes on in the background
+        until :func:`settle_child`. Returns the child, or None if it failed."""
         t = time.perf_counter()
         try:
             fresh = not list_checkpoints(child.run_dir)
             child.summary = execute(child.cfg, child.run_dir, tracking_uri=uri, partitions_root=partitions_root, fresh=fresh,
                                     progress=progress, parent_run_id=parent.run_id if parent else None,
                                     run_tags={**tags, "flockfl.sweep.combo": child.label, "flockfl.seed": str(child.seed)},
-                                    run_name=f"{base.name} {child.key}")
+                                    run_name=f"{base.name} {child.key}", wait=False)
             child.summary["sweep_wall_s"] = time.perf_counter() - t  # the run as the sweep saw it, set-up included
-            child.status, child.error = "finished", None
-            m = child.summary["metrics"]
-            log(f"sweep: {child.key}: accuracy {m.get('accuracy', float('nan')):.4f}"
-                + (f" (resumed from round {child.summary['resumed_from_round']})" if child.summary.get("resumed_from_round") else "")
-                + f", {time.perf_counter() - t:.1f} s")
-        except Exception as err:  # one run failing does not stop the sweep; it is recorded
-            if os.environ.get("FLOCKFL_DEBUG"):
-                raise
-            child.status = "failed"
-            child.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            log(f"sweep: {child.key} failed: {child.error} (its run directory {child.run_dir} keeps error.log)")
+            return child
+        except Exception as err:
+            fail(child, err)
+            return None
+
+    def settle_child(child: Optional[Child]) -> None:
+        """Wait for ``child``'s tracking to close, then record it as finished (or failed)."""
+        if child is None:
+            return
+        try:
+            settle(child.summary)
+        except Exception as err:
+            fail(child, err)
+            return
+        child.status, child.error = "finished", None
+        m = child.summary["metrics"]
+        log(f"sweep: {child.key}: accuracy {m.get('accuracy', float('nan')):.4f}"
+            + (f" (resumed from round {child.summary['resumed_from_round']})" if child.summary.get("resumed_from_round") else "")
+            + f", {child.summary['sweep_wall_s']:.1f} s")
         record(child)
 
     cap = None
@@ -258,10 +276,24 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     try:
         if parallel > 1 and len(todo) > 1:
             with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="flock-sweep") as pool:
-                list(pool.map(run_child, todo))
-        else:
-            for child in todo:
-                run_child(child)
+                list(pool.map(lambda c: settle_child(run_child(c)), todo))
+        else:  # each run's models export while the next run starts (at most one run closing at a
+            # time); a thread records it the moment its export is done, so a kill of the sweep
+            # later on finds it finished
+            closing: Optional[tuple[threading.Thread, Optional[Child]]] = None
+            for child in todo + [None]:
+                done = run_child(child) if child else None
+                if closing:
+                    t = time.perf_counter()
+                    closing[0].join()
+                    if closing[1] and closing[1].status == "finished":  # what the sweep itself waited for it
+                        closing[1].summary["sweep_wall_s"] += time.perf_counter() - t
+                        record(closing[1])
+                if done:
+                    closing = (threading.Thread(target=settle_child, args=(done,), name="flock-sweep-settle"), done)
+                    closing[0].start()
+                else:
+                    closing = None
     except BaseException:
         if parent:
             parent.finish("KILLED")

@@ -6,6 +6,7 @@ Every builder takes (input_shape, num_outputs, hidden) and returns an ``nn.Modul
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -26,18 +27,27 @@ def mlp(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat_dim(input_shape), hidden), nn.ReLU(), nn.Linear(hidden, num_outputs))
 
 
+def _lenet5(input_shape: tuple[int, ...], num_outputs: int, name: str, first_padding: int) -> nn.Module:
+    """conv 6 → pool → conv 16 → pool → FC 120 → FC 84 → out, ReLU after every hidden layer:
+    5×5 convs on 28×28-or-larger images (``first_padding`` on the first), 3×3 same convs on
+    small ones (digits 8×8)."""
+    c, k, pad, hw = _conv_geometry(input_shape, name, first_padding)
+    convs = [nn.Conv2d(c, 6, k, padding=pad + (first_padding if k == 5 else 0)), nn.ReLU(), nn.MaxPool2d(2),
+             nn.Conv2d(6, 16, k, padding=pad), nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*convs, nn.Flatten(), nn.Linear(16 * hw, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(),
+                         nn.Linear(84, num_outputs))
+
+
 def lenet5(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
-    """LeNet-5 for 1×28×28 (5×5 convs, padding 2 on the first) or 1×8×8 inputs (3×3 convs)."""
-    if len(input_shape) != 3:
-        raise ValueError(f"lenet5 needs C×H×W images, got input shape {input_shape}")
-    c, h, w = input_shape
-    if h >= 28:
-        convs = [nn.Conv2d(c, 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2)]
-        flat = 16 * ((h // 2 - 4) // 2) * ((w // 2 - 4) // 2)
-    else:
-        convs = [nn.Conv2d(c, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
-        flat = 16 * (h // 4) * (w // 4)
-    return nn.Sequential(*convs, nn.Flatten(), nn.Linear(flat, 120), nn.ReLU(), nn.Linear(120, 84), nn.ReLU(), nn.Linear(84, num_outputs))
+    """LeNet-5 as thesis Table 3.17 (and NIID-Bench's CNN): valid 5×5 convs, so 16·4·4 = 256 FC
+    inputs on 28×28 (400 on 32×32); 3×3 same convs on 8×8 digits."""
+    return _lenet5(input_shape, num_outputs, "lenet5", 0)
+
+
+def lenet5_padded(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
+    """LeNet-5 with padding 2 on the first conv (LeCun's 32×32 geometry on 28×28): 16·5·5 = 400
+    FC inputs on 28×28 (flockfl's ``lenet5`` before it followed Table 3.17); as ``lenet5`` on 8×8."""
+    return _lenet5(input_shape, num_outputs, "lenet5_padded", 2)
 
 
 class WeightedBatchNorm2d(nn.Module):
@@ -121,13 +131,15 @@ class ConvBNNet(nn.Module):
         return out
 
 
-def _conv_geometry(input_shape: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
-    """(in channels, kernel, padding, H·W after two conv+pool blocks) for 28×28-or-larger or 8×8 images."""
+def _conv_geometry(input_shape: tuple[int, ...], name: str, first_padding: int = 0) -> tuple[int, int, int, int]:
+    """(in channels, kernel, padding, H·W after two conv+pool blocks) for 28×28-or-larger or 8×8
+    images; ``first_padding`` pads the first of the 5×5 convs."""
     if len(input_shape) != 3:
         raise ValueError(f"{name} needs C×H×W images, got input shape {input_shape}")
     c, h, w = input_shape
     if h >= 28:  # 5×5 valid convs, as the thesis's tables (28 → 24 → 12 → 8 → 4)
-        return c, 5, 0, ((h - 4) // 2 - 4) // 2 * (((w - 4) // 2 - 4) // 2)
+        side = lambda d: ((d + 2 * first_padding - 4) // 2 - 4) // 2  # noqa: E731
+        return c, 5, 0, side(h) * side(w)
     return c, 3, 1, (h // 4) * (w // 4)  # small images (digits 8×8): 3×3 same convs
 
 
@@ -145,13 +157,28 @@ def cnn_bn(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) ->
     return ConvBNNet(c, [10, 20], k, pad, hw, [50], num_outputs)
 
 
+def pfllib_cnn(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
+    """PFLlib's "4-layer CNN" (FedAvgCNN, its leaderboard's model; spec personalised-baselines.md §1):
+    conv 5×5 → 32, ReLU, max-pool 2; conv 5×5 → 64, ReLU, max-pool 2; FC → 512, ReLU; FC → out. No
+    padding and no BN: 64·4·4 = 1024 FC inputs on 28×28 (1600 on 32×32), 582,026 parameters on
+    Fashion-MNIST; 3×3 same convs on 8×8 digits. Layers are named as PFLlib's (conv1, conv2, fc1,
+    and the head ``fc``)."""
+    c, k, pad, hw = _conv_geometry(input_shape, "pfllib_cnn")
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(c, 32, k, padding=pad)), ("relu1", nn.ReLU()), ("pool1", nn.MaxPool2d(2)),
+        ("conv2", nn.Conv2d(32, 64, k, padding=pad)), ("relu2", nn.ReLU()), ("pool2", nn.MaxPool2d(2)),
+        ("flatten", nn.Flatten()), ("fc1", nn.Linear(64 * hw, 512)), ("relu3", nn.ReLU()),
+        ("fc", nn.Linear(512, num_outputs))]))
+
+
 def linear(input_shape: tuple[int, ...], num_outputs: int = 1, hidden: int = 0) -> nn.Module:
     """Linear regression without bias (IFCA's synthetic model: y = ⟨x, θ⟩)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat_dim(input_shape), num_outputs, bias=False))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "linear": linear,
-                                               "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn}
+MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "lenet5_padded": lenet5_padded,
+                                               "linear": linear, "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn,
+                                               "pfllib_cnn": pfllib_cnn}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:

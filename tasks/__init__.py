@@ -150,5 +150,6 @@ def checkpoint(state: ServerState, run_dir: str, keep: int) -> str:
 @task(name="log_metrics", **_quiet)
 @timed
 def log_metrics(tracker, rows: list[dict]) -> None:
-    for row in rows:
-        tracker.log_round(row)
+    """Queue the rounds' metrics (a BackgroundTracker logs them off the round's path; rows it
+    already holds are skipped)."""
+    tracker.log_rounds([dict(row) for row in rows])

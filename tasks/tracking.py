@@ -9,19 +9,30 @@ The store is opened with :func:`open_store` (a new SQLite store is created by on
 a time, so ``flock run``s started together on it all work), experiments with
 :func:`ensure_experiment` (a training experiment, not a GenAI one), and links into the MLflow
 UI are made by :func:`ui_url` (the training view).
+
+A run's tracking goes through a :class:`BackgroundTracker`: the same calls, made in order on one
+background thread, so importing MLflow, opening the store and exporting the models overlap the
+run instead of holding it up (:func:`prefetch` starts the import and the store before the run
+is known). The model export is idempotent: a run killed while exporting exports, on resume,
+only the models it does not hold yet.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import io
 import math
 import os
+import queue
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+from flockfl.faults import maybe_crash
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 
@@ -75,6 +86,33 @@ def open_store(uri: str):
                 client.search_registered_models(max_results=1)  # and the registry store on it
         _READY.add(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+_PREFETCHED: dict[str, threading.Thread] = {}
+
+
+def prefetch(uri: str) -> threading.Thread:
+    """Import MLflow and open the store ``uri`` on a background thread (~1.5 s on 2 cores), so
+    that the run's tracker finds both ready (once per store and process). A SQLite store that
+    does not exist yet is left alone: it is created with the run, once the data and the
+    partition have been checked."""
+    if uri in _PREFETCHED:
+        return _PREFETCHED[uri]
+
+    def work() -> None:
+        try:
+            import mlflow  # noqa: F401
+            from mlflow.tracking import MlflowClient  # noqa: F401
+
+            db = _sqlite_file(uri)
+            if db is None or db.exists():
+                open_store(uri)
+        except Exception:  # the tracker opening the store reports the same error, in order
+            pass
+
+    thread = _PREFETCHED[uri] = threading.Thread(target=work, name="flockfl-mlflow-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _mark_training(client, exp) -> None:
@@ -139,6 +177,27 @@ _EXPORT_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
+def _own_requirements():
+    """Skip MLflow's check that a logged model's pip requirements match this environment (when
+    it saves the model, and when it loads it back to validate the input example): ours are
+    this environment's own (``torch==<installed>``), and the check first maps every installed
+    distribution to its modules (~0.6 s of a 2-core process). Modules that no longer have the
+    hook are left alone."""
+    import mlflow.pyfunc
+    import mlflow.utils.environment
+
+    name = "warn_dependency_requirement_mismatches"
+    saved = {m: getattr(m, name) for m in (mlflow.utils.environment, mlflow.pyfunc) if hasattr(m, name)}
+    for m in saved:
+        setattr(m, name, lambda requirements: None)
+    try:
+        yield
+    finally:
+        for m, check in saved.items():
+            setattr(m, name, check)
+
+
+@contextlib.contextmanager
 def _quiet(logger: str):
     """Silence one logger's warnings for a block."""
     import logging
@@ -174,6 +233,8 @@ class Tracker:
         self.experiment_id = self.client.get_run(self.run_id).info.experiment_id
         if run_id is not None:  # a resumed run: its experiment may predate the kind tag
             _mark_training(self.client, self.client.get_experiment(self.experiment_id))
+        # the last round this MLflow run holds (a resumed run logs only the rounds after it)
+        self.logged = self.last_logged_round() if run_id is not None else 0
 
     def _log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
@@ -200,6 +261,21 @@ class Tracker:
         for a in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[a : a + 1000])
 
+    def log_rounds(self, rows: list[dict[str, Any]]) -> None:
+        """Log the history rows this run does not hold yet: after a resume, or a fallback to an
+        older checkpoint, a recomputed round was logged already and is not logged twice."""
+        for row in rows:
+            if row["round"] > self.logged:
+                self.log_round(row)
+                self.logged = int(row["round"])
+
+    def catch_up(self, measures: dict[str, float], history: list[dict[str, Any]]) -> None:
+        """A run's first entries: the partition's measures (step 0) on a run that logged no round
+        yet, and the rounds a killed run checkpointed but never logged."""
+        if self.logged == 0 and measures:
+            self.log_values(measures, step=0)
+        self.log_rounds(history)
+
     def log_values(self, values: dict[str, float], step: int = 0) -> None:
         from mlflow.entities import Metric
 
@@ -224,37 +300,199 @@ class Tracker:
         """Log one model per cluster with mlflow.pytorch and register each as a version.
 
         ``fmt`` is ``tracking.model_format``: ``pt2`` (torch.export; loads back as a GraphModule
-        anywhere, costs ~3 s of imports once per process and ~0.15 s per model) or ``pickle``
-        (loads back as the flockfl model class where flockfl is installed, ~0.05 s per model)."""
+        anywhere, costs ~2 s of imports once per process and ~0.15 s per model) or ``pickle``
+        (loads back as the flockfl model class where flockfl is installed, ~0.05 s per model).
+        Idempotent: models this run already holds (an export a kill cut short) are kept, a model
+        logged but not registered is registered, a partly written one is replaced."""
         import copy
 
         import mlflow
         import mlflow.pytorch
         import torch
 
-        versions = []
+        logged, versions = self._exported(registered_name)
         k = next(iter(stacked.values())).shape[0]
         reqs = [f"torch=={torch.__version__.split('+')[0]}"]
         # the registry prints "Created version ..." to stderr for every version: keep it quiet
         # (and the pickle format's warning about unpickling untrusted files: these are the run's own)
         # torch.export traces through process-global state: one model at a time (flock sweep --parallel)
         with _EXPORT_LOCK, mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()), \
-                _quiet("mlflow.pytorch"):
+                _quiet("mlflow.pytorch"), _own_requirements():
             for j in range(k):
-                net = copy.deepcopy(model).cpu()
-                net.load_state_dict({n: v[j].cpu() for n, v in stacked.items()}, strict=False)
-                # the k models share one architecture: MLflow's check that a logged pt2 model loads
-                # and serves its input example (~0.1 s, it loads the model back) runs on the first
-                # only (pickle forwards unknown keywords to torch.save: its check always runs)
-                extra = {"validate_serving_input": j == 0} if fmt == "pt2" else {}
-                info = mlflow.pytorch.log_model(
-                    net, name=f"cluster_{j}", input_example=input_example, pip_requirements=reqs,
-                    registered_model_name=registered_name, serialization_format=fmt, **extra,
-                )
-                if registered_name and getattr(info, "registered_model_version", None):
-                    self.client.set_model_version_tag(registered_name, str(info.registered_model_version), "cluster", str(j))
-                    versions.append(str(info.registered_model_version))
-        return versions
+                if j in versions or (j in logged and not registered_name):
+                    continue
+                uri = logged.get(j)
+                if uri is None:
+                    net = copy.deepcopy(model).cpu()
+                    net.load_state_dict({n: v[j].cpu() for n, v in stacked.items()}, strict=False)
+                    # the k models share one architecture: MLflow's check that a logged pt2 model loads
+                    # and serves its input example (~0.1 s, it loads the model back) runs on the first
+                    # only (pickle forwards unknown keywords to torch.save: its check always runs)
+                    extra = {"validate_serving_input": j == 0} if fmt == "pt2" else {}
+                    uri = mlflow.pytorch.log_model(
+                        net, name=f"cluster_{j}", input_example=input_example, pip_requirements=reqs,
+                        serialization_format=fmt, **extra,
+                    ).model_uri
+                maybe_crash("export", j)  # the drill: killed between logging model j and registering it
+                if registered_name:
+                    versions[j] = str(mlflow.register_model(uri, registered_name, tags={"cluster": str(j)}).version)
+        return [versions[j] for j in range(k)] if registered_name else []
+
+    def _exported(self, registered_name: Optional[str]) -> tuple[dict[int, str], dict[int, str]]:
+        """What this run already holds: cluster → URI of its logged model (a model a kill left
+        half written is deleted), and cluster → its registered version."""
+        from mlflow.entities import LoggedModelStatus
+
+        logged: dict[int, str] = {}
+        token = None
+        while True:
+            page = self.client.search_logged_models([self.experiment_id], filter_string=f"source_run_id = '{self.run_id}'",
+                                                    page_token=token)
+            for m in page:
+                if not m.name.startswith("cluster_"):
+                    continue
+                if m.status == LoggedModelStatus.READY:
+                    logged[int(m.name.split("_", 1)[1])] = m.model_uri
+                else:
+                    self.client.delete_logged_model(m.model_id)
+            token = page.token
+            if not token:
+                break
+        versions: dict[int, str] = {}
+        if registered_name:
+            for v in self.client.search_model_versions(f"run_id = '{self.run_id}'"):
+                if v.name == registered_name and "cluster" in v.tags:
+                    versions[int(v.tags["cluster"])] = str(v.version)
+        return logged, versions
 
     def finish(self, status: str = "FINISHED") -> None:
         self.client.set_terminated(self.run_id, status=status)
+
+
+class TrackingSkipped(RuntimeError):
+    """A tracking call not made because an earlier one failed (that error is the cause)."""
+
+
+_OPEN_TRACKERS: "set[BackgroundTracker]" = set()
+
+
+class BackgroundTracker:
+    """A :class:`Tracker` whose calls run in order on one background thread.
+
+    Creating it returns at once: the thread imports MLflow, opens the store and creates (or
+    re-opens) the run while the caller loads data and trains. Every call is queued and returns a
+    ``Future``; ``run_id`` waits for the run to exist, ``check`` re-raises a failed call without
+    waiting, ``close`` waits for everything queued. Once a call has failed the later ones are
+    skipped (:class:`TrackingSkipped`), so a run never reads FINISHED after a lost log; only
+    ``finish`` with another status still goes through. ``on_open`` runs on the thread with the
+    new :class:`Tracker` (e.g. to write the new run id beside the checkpoints). ``seconds``: the
+    thread's time per call name. A process that exits normally closes its trackers first
+    (``atexit``); a killed one loses only what was queued, which a resume logs again.
+    """
+
+    def __init__(self, *args, on_open: Optional[Callable[[Tracker], None]] = None, **kwargs):
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._error: Optional[BaseException] = None
+        self._tracker: Optional[Tracker] = None
+        self.seconds: dict[str, float] = {}
+        self._thread = threading.Thread(target=self._work, name="flockfl-tracking", daemon=True)
+        self._thread.start()
+        self._closed = False
+        _OPEN_TRACKERS.add(self)
+
+        def open_run(_) -> Tracker:
+            self._tracker = Tracker(*args, **kwargs)
+            if on_open:
+                on_open(self._tracker)
+            return self._tracker
+
+        self._opened = self.submit(open_run, "open")
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, name, always = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            if (self._error is not None and not always) or (self._tracker is None and name != "open"):
+                err = TrackingSkipped(f"tracking call {name!r} skipped: an earlier one failed")
+                err.__cause__ = self._error
+                fut.set_exception(err)
+                continue
+            t = time.perf_counter()
+            try:
+                fut.set_result(fn(self._tracker))
+            except BaseException as err:  # kept for check()/close(); the thread goes on
+                self._error = self._error or err
+                fut.set_exception(err)
+            finally:
+                self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+    def submit(self, fn: Callable[[Tracker], Any], name: str = "call", always: bool = False) -> Future:
+        """Run ``fn(tracker)`` on the thread after everything queued before it."""
+        if self._closed:
+            raise RuntimeError("BackgroundTracker is closed")
+        fut: Future = Future()
+        self._queue.put((fut, fn, name, always))
+        return fut
+
+    @property
+    def tracker(self) -> Tracker:
+        """The open :class:`Tracker` (waits for it; raises if opening failed)."""
+        return self._opened.result()
+
+    @property
+    def run_id(self) -> str:
+        return self.tracker.run_id
+
+    @property
+    def experiment_id(self) -> str:
+        return self.tracker.experiment_id
+
+    def check(self) -> None:
+        """Re-raise the first failed call, if any (does not wait)."""
+        if self._error is not None:
+            raise self._error
+
+    def close(self, raise_errors: bool = True) -> None:
+        """Wait for every queued call and stop the thread; re-raise the first failure."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join()
+            _OPEN_TRACKERS.discard(self)
+        if raise_errors:
+            self.check()
+
+    def _queued(name: str, always: Callable[..., bool] = lambda *a, **k: False):  # noqa: N805
+        def call(self, *args, **kwargs) -> Future:
+            return self.submit(lambda t: getattr(t, name)(*args, **kwargs), name, always(*args, **kwargs))
+
+        call.__name__ = name
+        call.__doc__ = f"Queue :meth:`Tracker.{name}`."
+        return call
+
+    log_rounds = _queued("log_rounds")
+    catch_up = _queued("catch_up")
+    log_values = _queued("log_values")
+    log_pre_federation = _queued("log_pre_federation")
+    log_dict = _queued("log_dict")
+    log_text = _queued("log_text")
+    log_artifact = _queued("log_artifact")
+    set_tags = _queued("set_tags")
+    log_models = _queued("log_models")
+    # a FAILED/KILLED status is recorded even after a failed call; FINISHED only if all went through
+    finish = _queued("finish", always=lambda status="FINISHED": status != "FINISHED")
+    del _queued
+
+
+def close_all() -> None:
+    """Wait for every tracker this process still has open (an exit handler: nothing queued is
+    lost on a normal exit). Failures were reported where they happened."""
+    for t in list(_OPEN_TRACKERS):
+        t.close(raise_errors=False)
+
+
+atexit.register(close_all)

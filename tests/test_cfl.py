@@ -137,3 +137,67 @@ def test_flock_list_shows_the_paper_and_keys(capsys):
     assert keys["algorithm.eps1"]["default"] == 0.4 and keys["algorithm.eps2"]["default"] == 1.6
     assert keys["algorithm.gamma_max"]["default"] is None and keys["algorithm.linkage"]["default"] == "complete"
     assert keys["algorithm.eps1"]["symbol"] == "ε₁" and keys["algorithm.warmup_rounds"]["default"] == 20
+
+
+# ---------------------------------------------------------------------- cfl-pacfl (update_pool=stale_all)
+
+
+def test_stale_all_with_full_participation_is_the_participants_rule(tmp_path):
+    """With every client training every round, every member's latest update is this round's:
+    the two pools give the same clusters and (to float rounding) the same models."""
+    parts = run_rounds(prepare(cfg_of(ALWAYS, clients_per_round=12), tmp_path))
+    stale = run_rounds(prepare(cfg_of({**ALWAYS, "update_pool": "stale_all"}, clients_per_round=12), tmp_path))
+    assert parts.k == stale.k > 1
+    assert np.array_equal(parts.assignments, stale.assignments)
+    for k in parts.models:
+        assert torch.allclose(parts.models[k], stale.models[k], atol=1e-5), k
+
+
+def test_stale_all_reapplies_a_stale_update_until_its_client_trains_again(tmp_path):
+    """The thesis code's quirk, kept: after round 1 the cluster model has moved by the mean over
+    every member of its latest Δθ, i.e. the rows the table holds then: round 1's for its cohort,
+    round 0's (stale, applied a second time) for the rest of round 0's cohort, zero for the others."""
+    from flockfl.aggregation import flatten
+
+    def prep(rounds):
+        return prepare(cfg_of({"name": "cfl-pacfl", "eps2": 1e9}, rounds=rounds, clients_per_round=4), tmp_path)
+
+    first = prep(1)
+    one, two = run_rounds(first), run_rounds(prep(2))
+    table = two.algo["cfl_delta"]
+    assert 4 < table.written().sum() < 8  # two cohorts of 4 that overlap partly
+    names = first.algorithm.trainable(first.ctx)
+    step = flatten({k: two.models[k] for k in names})[0] - flatten({k: one.models[k] for k in names})[0]
+    torch.testing.assert_close(step, table.dense()["d"].mean(0), atol=1e-6, rtol=1e-4)
+
+
+def test_stale_all_one_round_is_the_mean_over_every_member(tmp_path):
+    """Round 0 by hand: members that did not train count as zero updates, so the cluster model
+    moves by (Σ over the cohort of Δθ_i) / N under uniform weights."""
+    from flockfl.aggregation import flatten
+
+    cfg = cfg_of({"name": "cfl-pacfl", "eps2": 1e9}, rounds=1, clients_per_round=4)
+    prep = prepare(cfg, tmp_path)
+    s0 = prep.algorithm.init_state(prep.ctx)
+    fedavg = run_rounds(prepare(cfg_of({"name": "fedavg", "weighting": "uniform"}, rounds=1, clients_per_round=4),
+                                tmp_path))
+    stale = run_rounds(prep)
+    names = prep.algorithm.trainable(prep.ctx)
+    n = len(prep.ctx.seen)
+    theta0 = flatten({k: s0.models[k] for k in names})[0]
+    step_fedavg = flatten({k: fedavg.models[k] for k in names})[0] - theta0
+    step_stale = flatten({k: stale.models[k] for k in names})[0] - theta0
+    torch.testing.assert_close(step_stale, step_fedavg * 4 / n, atol=1e-6, rtol=1e-4)
+
+
+def test_cfl_pacfl_defaults_and_both_trainers(tmp_path):
+    from flockfl.algorithms import ALGORITHMS
+
+    hp = {h.name: h.default for h in ALGORITHMS["cfl-pacfl"].hyperparameters}
+    assert hp["update_pool"] == "stale_all" and hp["warmup_rounds"] == 21 and hp["eps1"] == 0.4 and hp["eps2"] == 1.6
+    algo = {"name": "cfl-pacfl", "eps1": 1e9, "eps2": 0.0, "warmup_rounds": 1}
+    ref, vec = assert_trainers_agree(lambda e: cfg_of(algo, engine=e), tmp_path)
+    assert vec.k > 1 and np.array_equal(ref.assignments, vec.assignments)
+    cfg = cfg_of(algo, engine="vectorized")
+    full, resumed = assert_resume_bit_identical(cfg, tmp_path, until=2)
+    assert resumed.meta["cfl_splits"] == full.meta["cfl_splits"]

@@ -184,3 +184,34 @@ def test_digests_ending_in_zero_bytes_survive(tmp_path):
     t.flush(tmp_path)
     back = decode_state(encode_state(state_with(t)), run_dir=None).algo["t"]
     assert torch.equal(back.dense()["w"], t.dense()["w"])
+
+
+def test_a_checkpoint_holds_only_the_written_digests_while_they_are_the_fewer(tmp_path):
+    """1,000 clients, 3 written: the payload holds those 3 (format 2), a few hundred bytes
+    instead of 33 KB; once most are written, the dense form (format 1) is the smaller and is
+    used. Both decode to the same table, and the format-1 payload of older checkpoints loads."""
+    t = ClientTable(1000, {"w": torch.zeros(3, 2)}).scatter([3, 500, 999], {"w": torch.randn(3, 3, 2)})
+    t.flush(tmp_path)
+    sparse = t.payload()
+    assert sparse["__client_table__"] == 2 and len(sparse["digests"]) == 3 * 32 and len(sparse["written"]) == 3 * 4
+    back = ClientTable.from_payload(sparse, tmp_path)
+    assert (back.all_digests() == t.all_digests()).all() and back.written().sum() == 3
+    assert torch.equal(back.gather([500, 1])["w"], t.gather([500, 1])["w"])
+
+    full = t.scatter(np.arange(950), {"w": torch.randn(950, 3, 2)})
+    dense = full.payload()
+    assert dense["__client_table__"] == 1 and len(dense["digests"]) == 1000 * 32
+    assert (ClientTable.from_payload(dense).all_digests() == full.all_digests()).all()
+
+    legacy = {**sparse, "__client_table__": 1, "digests": t.digests.tobytes(), "has": t.has.tobytes()}
+    assert (ClientTable.from_payload(legacy, tmp_path).all_digests() == t.all_digests()).all()
+
+
+def test_flush_writes_many_rows_whole_and_leaves_no_temp_files(tmp_path):
+    t = ClientTable(5000, {"w": torch.zeros(8)}).scatter(np.arange(0, 5000, 3), {"w": torch.randn(1667, 8)})
+    assert t.flush(tmp_path) == 1667 * 32
+    files = list(tmp_path.rglob("*"))
+    assert not [f for f in files if ".tmp" in f.name]
+    assert sum(f.suffix == ".row" for f in files) == 1667
+    back = ClientTable.from_payload(t.payload(), tmp_path)
+    assert torch.equal(back.gather(np.arange(0, 5000, 3))["w"], t.gather(np.arange(0, 5000, 3))["w"])

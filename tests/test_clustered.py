@@ -131,7 +131,8 @@ def test_both_evaluation_conventions_are_logged(tmp_path):
 
 @pytest.mark.parametrize("algo", [{"name": "fedavg"}, {"name": "ifca", "k": 2}, {"name": "pacfl", "beta": 30.0},
                                   {"name": "pacfl", "beta": 30.0, "newcomer_mode": "recluster"},
-                                  {"name": "flis_dc", "server_data_size": 60}, {"name": "flis_hc", "server_data_size": 60},
+                                  {"name": "flis_dc", "server_data_size": 60, "beta": 0.5},
+                                  {"name": "flis_hc", "server_data_size": 60, "beta": 0.5},
                                   {"name": "local"}],
                          ids=["fedavg", "ifca", "pacfl", "pacfl-recluster", "flis_dc", "flis_hc", "local"])
 def test_newcomers_join_after_training(tmp_path, algo):

@@ -23,6 +23,13 @@ CONFIGS = {
     # failing clients: the retry and the flow's one-by-one isolation run as in a local run
     "scaffold": {"algorithm": {"name": "scaffold"}, "train": {"simulate_failures": [1, 2, 3]}},
     "ifca": {"algorithm": {"name": "ifca", "k": 2, "init": "random"}},
+    # the baselines' mechanisms: clusters that split, partial sharing, a personal model per client
+    # (a client-state table), and the solver-based personal methods (their solver travels in the job)
+    "cfl": {"algorithm": {"name": "cfl", "eps1": 1e9, "eps2": 0.0, "warmup_rounds": 1}},
+    "fedrep": {"algorithm": {"name": "fedrep"}},
+    "apfl": {"algorithm": {"name": "apfl"}},
+    "pfedme": {"algorithm": {"name": "pfedme"}},
+    "perfedavg": {"algorithm": {"name": "perfedavg", "variant": "hf"}},
 }
 
 

@@ -27,6 +27,8 @@ VARIANTS = [
     {"name": "difca", "partners": 0, "inference": "confidence", "participation": "sampled"},
     {"name": "difca", "dfca_variant": "reference_gi"},
     {"name": "difca", "dfca_variant": "reference_li", "inference": "confidence"},
+    # "DIFCA + k-means start": IFCA's library pre-federation step, then every client's copies start from it
+    {"name": "difca", "dfca_variant": "reference_gi", "init": "pretrain_kmeans"},
 ]
 IDS = [",".join(f"{k}={v}" for k, v in a.items() if k != "name") or "default" for a in VARIANTS]
 

@@ -216,7 +216,7 @@ PACFL = {
     "partition": {"scheme": "label_swap", "k": 2, "label_swap_mode": "random_perm", "num_clients": 12,
                   "unseen_fraction": 0.25},
     "model": {"name": "mlp", "hidden": 32},
-    "algorithm": {"name": "pacfl", "measure": "class_matched"},
+    "algorithm": {"name": "pacfl", "measure": "class_matched", "cut": "largest_gap"},  # no β: the library's rule
     "train": {"rounds": 3, "clients_per_round": 4, "local_epochs": 2, "batch_size": 10, "lr": 0.1, "engine": "vectorized"},
 }
 

@@ -39,8 +39,9 @@ CPU = pytest.param("cpu", id="cpu")
 # settings some algorithms need on the tiny config
 ALGO_CONFIG = {
     "ccfl": {"train": {"local_steps": 4}},
-    "flis_dc": {"algorithm": {"server_data_size": 50}, "partition": {"server_holdout": 50}},
-    "flis_hc": {"algorithm": {"server_data_size": 50}, "partition": {"server_holdout": 50}},
+    "flis_dc": {"algorithm": {"server_data_size": 50, "beta": 0.5}, "partition": {"server_holdout": 50}},
+    "flis_hc": {"algorithm": {"server_data_size": 50, "beta": 0.5}, "partition": {"server_holdout": 50}},
+    "pacfl": {"algorithm": {"cut": "largest_gap"}},  # β has no default (the data sets it)
 }
 REDUCED = ("fedavg", "scaffold", "ifca", "fedadam")  # the cpu and fake_cuda params (plain CI)
 DEVICE_TYPE = {"cpu": "cpu", "cuda": "cuda", "fake_cuda": fakecuda.GPU.type}

@@ -24,9 +24,9 @@ def test_every_algorithm_declares_a_paper_and_documented_keys():
 
 
 def test_defaults_are_filled_in_and_dumped():
-    cfg = validate(tiny_config(algorithm={"name": "pacfl"}))
+    cfg = validate(tiny_config(algorithm={"name": "pacfl", "beta": 5.0}))  # β has no default: the data sets it
     hyper = cfg.algorithm.hyper()
-    assert hyper["p"] == 3 and hyper["measure"] == "smallest_angle" and hyper["k"] is None
+    assert hyper["p"] == 3 and hyper["measure"] == "official_min_pairwise" and hyper["k"] is None
     assert cfg.model_dump()["algorithm"]["linkage"] == "weighted"
 
 
@@ -92,7 +92,8 @@ def test_bad_values_of_new_config_keys_are_one_line_errors(over, needle):
 
 
 def test_server_holdout_follows_the_algorithm_unless_set():
-    assert validate(tiny_config(algorithm={"name": "flis_hc", "server_data_size": 40})).partition.server_holdout == 40
+    flis = {"name": "flis_hc", "server_data_size": 40, "beta": 0.5}
+    assert validate(tiny_config(algorithm=flis)).partition.server_holdout == 40
     assert validate(tiny_config(algorithm={"name": "fedavg"})).partition.server_holdout == 0
     fair = validate(tiny_config(algorithm={"name": "fedavg"}, partition={"server_holdout": 40}))
     assert fair.partition.server_holdout == 40  # the same partition as FLIS's, for a fair table

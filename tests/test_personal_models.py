@@ -11,6 +11,8 @@ import torch
 
 from conftest import assert_resume_bit_identical, last_json, tiny_config
 
+from flockfl.errors import ConfigError
+
 FULL = {"partition": {"scheme": "rotated", "num_clients": 8, "k": 2}, "train": {"clients_per_round": 8}}
 
 
@@ -40,7 +42,11 @@ def assert_same(a: dict, b: dict, exact: bool = True):
 # ---------------------------------------------------------------------- degenerate cases from the papers
 @pytest.mark.parametrize("name,over", [("ditto", {"lam": 0.5}), ("apfl", {"alpha": 0.0, "adaptive": False})])
 def test_global_model_is_fedavg(name, over, tmp_path):
-    _, ref = run(cfg_of("fedavg"), tmp_path / "a")
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.algorithms.hyper import declared
+
+    weighting = declared(ALGORITHMS[name])["weighting"].default  # FedAvg under the method's own client weights
+    _, ref = run(cfg_of("fedavg", algorithm={"weighting": weighting}), tmp_path / "a")
     _, got = run(cfg_of(name, algorithm=over), tmp_path / "b")
     assert_same(ref.models, got.models)
     assert got.history[-1]["bytes_total"] == ref.history[-1]["bytes_total"]
@@ -185,7 +191,7 @@ def test_personal_beats_fedavg_on_label_skew(tmp_path):
 
 # ---------------------------------------------------------------------- configuration
 @pytest.mark.parametrize("name,key,bad", [
-    ("ditto", "lam", -1), ("ditto", "personal_epochs", -1), ("ditto", "personal_epochs", 1.5),
+    ("ditto", "lam", -1), ("ditto", "personal_epochs", -1), ("ditto", "personal_epochs", 1.5), ("ditto", "schedule", "mixed"),
     ("apfl", "alpha", 1.5), ("apfl", "adaptive", "yes"), ("apfl", "alpha_lr", -0.1), ("apfl", "alpha_l2", -1),
     ("perfedavg", "variant", "so"), ("perfedavg", "alpha", -0.1), ("perfedavg", "beta", "x"),
     ("perfedavg", "delta", 0), ("perfedavg", "adapt_steps", -1),
@@ -210,3 +216,43 @@ def test_cli_lists_the_method(name, author, keys, capsys):
     assert main(["list", name, "--json"]) == 0
     text = json.dumps(last_json(capsys.readouterr().out))
     assert author in text and all(f"algorithm.{k}" in text for k in keys)
+
+
+def test_ditto_interleaved_equals_the_official_per_step_loop(tmp_path):
+    """litian96/ditto: for each mini-batch, one v-step (∇F + λ(v − w^t)) then one w-step on the same
+    batch. A hand-written loop for one client gives flockfl's v_k (schedule=interleaved, the default)."""
+    from flockfl.engine.schedule import client_batches
+    from flockfl.rng import np_rng
+
+    lam, lr = 0.7, 0.1
+    prep, st = run(cfg_of("ditto", algorithm={"lam": lam}, train={"rounds": 1, "lr": lr}), tmp_path)
+    w0 = prep.algorithm.init_state(prep.ctx).models
+    client = int(np.flatnonzero(st.algo["personal"].written())[0])
+    x, y = prep.ctx.data.train.client(client)
+    spec = prep.algorithm.personal_spec(st, prep.ctx, np.array([client]), w0, 1, "shuffle")
+    model = prep.ctx.model
+    names = [n for n, _ in model.named_parameters()]
+    v = {k: w0[k][0].clone() for k in names}
+    w = {k: w0[k][0].clone() for k in names}
+    loss_fn = torch.nn.functional.cross_entropy
+    for b in client_batches(len(y), spec, np_rng(prep.ctx.seed, 0, client, "shuffle")):
+        for params, anchor in ((v, lam), (w, 0.0)):
+            p = {k: t.clone().requires_grad_(True) for k, t in params.items()}
+            loss = loss_fn(torch.func.functional_call(model, p, (x[b],)), y[b])
+            grads = torch.autograd.grad(loss, list(p.values()))
+            for (k, t), g in zip(params.items(), grads):
+                params[k] = t - lr * (g + anchor * (t - w0[k][0]))
+    got = st.algo["personal"].gather([client])
+    for k in names:
+        torch.testing.assert_close(got[k][0], v[k], rtol=1e-5, atol=1e-6)
+
+
+def test_ditto_sequential_draws_its_own_batches_and_interleaved_refuses_other_epochs(tmp_path):
+    _, inter = run(cfg_of("ditto"), tmp_path / "a")
+    _, seq = run(cfg_of("ditto", algorithm={"schedule": "sequential"}), tmp_path / "b")
+    assert_same(inter.models, seq.models)  # w is FedAvg either way
+    a, b = inter.algo["personal"].dense(), seq.algo["personal"].dense()
+    assert not all(torch.equal(a[k], b[k]) for k in a)  # v follows another batch order
+    with pytest.raises(ConfigError, match="algorithm.personal_epochs: 2 personal epochs cannot interleave"):
+        cfg_of("ditto", algorithm={"personal_epochs": 2})
+    cfg_of("ditto", algorithm={"personal_epochs": 2, "schedule": "sequential"})

@@ -137,14 +137,22 @@ def _wait_for(pred, timeout: float, proc=None) -> None:
 
 
 def test_killed_sweep_resumes_from_checkpoints(project):
-    """SIGKILL the sweep during its second run; the same command again keeps the first run as
-    it was and resumes the second from its checkpoint, bit-identical to an uninterrupted run."""
+    """SIGKILL the sweep during its second run, once the first is finished (its models exported
+    while the second started); the same command again keeps the first run as it was and resumes
+    the second from its checkpoint, bit-identical to an uninterrupted run."""
     cmd = ["sweep", "mid.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/killed", "--tracking-uri", uri(project), "--json"]
     second = project / "runs/killed/base-seed1/checkpoints"
+
+    def first_finished() -> bool:
+        try:
+            return json.loads((project / "runs/killed/sweep.json").read_text())["runs"]["base seed=0"]["status"] == "finished"
+        except (OSError, ValueError, KeyError):
+            return False
+
     with tempfile.TemporaryFile("w+") as out:
         proc = _popen_flock(cmd, project, out)
         try:
-            _wait_for(lambda: len(list(second.glob("ckpt-*.pt"))) >= 3, 240, proc)
+            _wait_for(lambda: first_finished() and len(list(second.glob("ckpt-*.pt"))) >= 3, 240, proc)
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
         finally:
@@ -210,7 +218,9 @@ def test_flock_run_reports_its_fixed_cost_and_pickled_models_load(project):
     s = last_json(res.stdout)
     assert s["process_wall_s"] > s["wall_s"] > 0 and 0 < s["rounds_wall_s"] < s["wall_s"]
     assert s["outside_rounds_s"] == pytest.approx(s["process_wall_s"] - s["rounds_wall_s"])
-    assert {"partition", "restore", "tracker", "drive", "finalise", "models", "plots"} <= set(s["phases_s"])
+    assert {"partition", "restore", "tracker", "drive", "finalise", "plots", "api_wait", "flow_start", "flow_end",
+            "close_wait"} <= set(s["phases_s"])
+    assert {"open", "close", "models"} <= set(s["tracking_s"])  # the tracking thread's share, off the rounds' path
 
     import mlflow.pytorch
     import torch

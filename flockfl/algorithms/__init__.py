@@ -2,7 +2,7 @@
 
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.ccfl import CCFL
-from flockfl.algorithms.cfl import CFL
+from flockfl.algorithms.cfl import CFL, CFLPACFL
 from flockfl.algorithms.fedavg import FedAvg
 from flockfl.algorithms.fedavgm import FedAvgM
 from flockfl.algorithms.fedeff import FedEff
@@ -37,7 +37,7 @@ from flockfl.algorithms.pfedme import PFedMe
 ALGORITHMS: dict[str, type[Algorithm]] = {
     cls.name: cls
     for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff,
-                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL,
+                CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL, CFLPACFL,
                 FedPer, LGFedAvg, FedRep, FedBABU, FedBN, Ditto, APFL, PerFedAvg, PFedMe)
 }
 
@@ -59,21 +59,45 @@ def overridden_stages(cls: type[Algorithm]) -> list[str]:
 
 
 def describe(name: str) -> dict:
-    """What ``flock list ALGORITHM`` shows: the paper, the hyper-parameters and the stages."""
+    """What ``flock list ALGORITHM`` shows: the paper, the hyper-parameters (with where each
+    default comes from: ``source`` is one of :data:`~flockfl.algorithms.hyper.SOURCES` or ""
+    where none is recorded, ``source_note`` which table, script or value) and the stages."""
     cls = ALGORITHMS[name]
     return {"name": name, "paper": cls.paper, "stages": overridden_stages(cls),
             "hyperparameters": [{"key": f"algorithm.{h.name}", "default": h.default, "allowed": h.allowed(),
-                                 "symbol": h.symbol, "meaning": h.meaning} for h in declared(cls).values()]}
+                                 "symbol": h.symbol, "source": h.source, "source_note": h.note, "meaning": h.meaning}
+                                for h in declared(cls).values()]}
+
+
+def _default_cell(h: dict) -> str:
+    """``(default, source)``; a key the data must set reads ``(set it, data)``."""
+    value = "set it" if h["source"] == "data" else h["default"]
+    return f"({value}, {h['source']})" if h["source"] else f"({value})"
 
 
 def algorithm_table() -> str:
     """docs/algorithms.md's algorithm table, generated from the declarations (a test keeps it in step)."""
-    lines = ["| name | paper | hyper-parameters (default) | stages it overrides |", "|---|---|---|---|"]
+    lines = ["| name | paper | hyper-parameters (default, its source) | stages it overrides |", "|---|---|---|---|"]
     for name in ALGORITHMS:
         d = describe(name)
-        keys = ", ".join(f"`{h['key'].split('.', 1)[1]}` ({h['default']})" for h in d["hyperparameters"])
+        keys = ", ".join(f"`{h['key'].split('.', 1)[1]}` {_default_cell(h)}" for h in d["hyperparameters"])
         lines.append(f"| `{name}` | {d['paper']} | {keys} | {', '.join(d['stages']) or '– (FedAvg)'} |")
     return "\n".join(lines)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "algorithm_table", "build_algorithm", "describe"]
+def sources_table() -> str:
+    """docs/algorithms.md's table of where the defaults come from: one row per key of every
+    algorithm whose keys all record a source (the seed methods), with the note."""
+    lines = ["| algorithm | key | default | source | which value, where |", "|---|---|---|---|---|"]
+    for name, cls in ALGORITHMS.items():
+        decl = declared(cls).values()
+        if not all(h.source for h in decl):
+            continue
+        for h in decl:
+            default = "–" if h.source == "data" else f"`{h.default}`"
+            note = h.note.replace("|", "\\|")
+            lines.append(f"| `{name}` | `{h.name}` | {default} | {h.source} | {note} |")
+    return "\n".join(lines)
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "algorithm_table", "build_algorithm", "describe", "sources_table"]

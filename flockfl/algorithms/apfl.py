@@ -79,14 +79,20 @@ class APFL(PersonalModels):
     name = "apfl"
     paper = "Deng, Kamani, Mahdavi, Adaptive Personalized Federated Learning, arXiv 2003.13461"
     hyperparameters = (
-        weighting("samples"),
+        weighting("uniform", source="code", note="the paper and the authors' MLOPTPSU/FedTorch "
+                                                 "(fedavg_aggregation_centered: 1/|online|) take the uniform mean; "
+                                                 "TsingZ0/PFLlib weights by n_i (weighting=samples)"),
         real("alpha", 0.5, "initial (or fixed) mixing weight of the local model in v̄ = αv + (1−α)w (default 0.5: "
-             "FedTorch's fed_personal_alpha and the Ditto repo's APFL; 0 = FedAvg, 1 = local training)", "α", ge=0, le=1),
+             "FedTorch's fed_personal_alpha and the Ditto repo's APFL; 0 = FedAvg, 1 = local training)", "α", ge=0,
+             le=1, source="code", note="MLOPTPSU/FedTorch fed_personal_alpha = 0.5; litian96/ditto apfl.py 0.5"),
         Hyper("adaptive", True, "adapt each client's α by gradient descent on f_i(v̄_i) (default true: the paper's "
-              "adaptive APFL; FedTorch's default is false)", "", "bool"),
-        real("alpha_lr", None, "step size of the α update (default null = train.lr, the paper's η_α = η)", "η_α",
-             ge=0, optional=True),
-        real("alpha_l2", 0.0, "extra term c·α in the α gradient (default 0: the paper; the codes use 0.02)", "c", ge=0),
+              "adaptive APFL; FedTorch's default is false)", "", "bool", source="paper",
+              note="adaptive APFL: α_i by gradient descent (MLOPTPSU/FedTorch's fed_adaptive_alpha defaults to false)"),
+        real("alpha_lr", None, "step size of the α update (default null = train.lr: the local lr, as FedTorch's and "
+             "PFLlib's α update)", "η_α", ge=0, optional=True, source="code",
+             note="MLOPTPSU/FedTorch alpha_update and TsingZ0/PFLlib clientapfl.py step α at the local lr"),
+        real("alpha_l2", 0.0, "extra term c·α in the α gradient (default 0: the paper; the codes use 0.02)", "c", ge=0,
+             source="paper", note="∂f_i(v̄_i)/∂α = <v − w, ∇f_i(v̄_i)>; FedTorch, PFLlib and FL-bench add 0.02α"),
     )
     def extra_row(self):
         return {ALPHA: torch.tensor(float(self.hp("alpha")), dtype=torch.float32)}

@@ -26,14 +26,14 @@ import torch
 from flockfl.aggregation import broadcast, mean_weights, rows, weighted_mean
 from flockfl.algorithms.hyper import Hyper, declared, weighting
 from flockfl.client import finetune_epochs, pass_spec, round_spec
-from flockfl.clientstate import chunks, joined
+from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext
 from flockfl.engine import TRAINERS
 from flockfl.engine.functional import index_params, num_params, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
-from flockfl.evaluation import cluster_breakdown, evaluate_models, own_model_metrics, summarise_clients
+from flockfl.evaluation import ClientMetrics, client_results, cluster_breakdown, evaluate_models, measure_own
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
 from models import init_params
@@ -218,15 +218,10 @@ class Algorithm:
         assign = self.eval_assignment(state, ctx)
         if not self.personal:
             return evaluate_models(state.models, assign, ctx, ctx.seen)
-        clients, task = ctx.seen, ctx.data.task
-        c_loss, c_acc, n = joined([own_model_metrics(ctx.model, self.own_models(state, ctx, part, assign[part]),
-                                                     ctx.data.test, part, task) for part in chunks(clients, 256)])
-        out: dict[str, Any] = summarise_clients(c_loss, c_acc, n, task)
-        out.update(self.cluster_metrics(state, ctx, clients, assign[clients], c_loss, c_acc, n))
-        out["_client_accuracy"] = c_acc if task == "classification" else None
-        out["_client_loss"] = c_loss
-        out["_assignment"] = assign
-        return out
+        clients = ctx.seen
+        cm = ClientMetrics.join(measure_own(ctx, self.own_models(state, ctx, part, assign[part]), part)
+                                for part in chunks(clients, 256))
+        return client_results(ctx, cm, assign, lambda t: self.cluster_metrics(state, ctx, clients, assign[clients], *t))
 
     def cluster_metrics(self, state: ServerState, ctx: RunContext, clients: np.ndarray, mine: np.ndarray,
                         c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray) -> dict[str, Any]:

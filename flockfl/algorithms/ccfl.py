@@ -36,20 +36,28 @@ from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
 from flockfl.rng import np_rng
 
 
+# the server optimiser's defaults (spec §3.4): FedOpt's, as the paper's tuned values are not in the seed
+FEDOPT = {"source": "library", "note": "mirrors FedOpt; the paper's tuned values are not in the seed"}
+
+
 class CCFL(Algorithm):
     name = "ccfl"
     paper = "Sun, Wu, Huang, Zhang, Client-Centric Federated Adaptive Optimization, arXiv 2501.09946"
     hyperparameters = (
-        weighting("uniform"),
-        choice("server_opt", "avg", ("avg", "adam", "adagrad", "ams"), "server rule"),
-        real("availability", 0.5, "probability that a client takes part in a round", "p", gt=0, le=1),
-        integer("max_delay", 2, "staleness bound: a client trains on x_{t−d}, d ≤ max_delay", "d_max", ge=0),
-        integer("participants", None, "the divisor m of Δ_t (null: availability·N)", "m", ge=1, optional=True),
+        weighting("uniform", source="paper", note="Alg. 2: Δ_t = (1/m) Σ_{i∈S_t} Δ^i"),
+        choice("server_opt", "avg", ("avg", "adam", "adagrad", "ams"), "server rule", source="paper",
+               note="CC-FedAvg; adam, adagrad and ams are the paper's adaptive variants (Alg. 2)"),
+        real("availability", 0.5, "probability that a client takes part in a round", "p", gt=0, le=1, source="library",
+             note="the paper leaves availability to the clients; a Bernoulli model of ours"),
+        integer("max_delay", 2, "staleness bound: a client trains on x_{t−d}, d ≤ max_delay", "d_max", ge=0,
+                source="library", note="the simulation's staleness model"),
+        integer("participants", None, "the divisor m of Δ_t (null: availability·N)", "m", ge=1, optional=True,
+                source="library", note="the paper's m is a fixed hyper-parameter without a value"),
         Hyper("server_lr", None, "server learning rate (null: 1.0 for avg, 0.01 for the adaptive rules)", "η",
-              ge=None, gt=0, optional=True),
-        real("beta1", 0.9, "first-moment decay", "β", ge=0, lt=1),
-        real("beta2", 0.99, "second-moment decay", "γ", gt=0, lt=1),
-        real("tau", 1e-3, "adaptivity ε; second moments start at ε²", "ε", gt=0),
+              ge=None, gt=0, optional=True, **FEDOPT),
+        real("beta1", 0.9, "first-moment decay", "β", ge=0, lt=1, **FEDOPT),
+        real("beta2", 0.99, "second-moment decay", "γ", gt=0, lt=1, **FEDOPT),
+        real("tau", 1e-3, "adaptivity ε; second moments start at ε²", "ε", gt=0, **FEDOPT),
     )
 
     @classmethod

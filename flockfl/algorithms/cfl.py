@@ -42,9 +42,18 @@ smallest α inside either child, the γ bound). Each history row gets ``cfl_spli
 trained: < ε₁ means all are stationary), ``cfl_max_update_norm`` (the largest ‖Δθ_i‖),
 ``cfl_refused`` (splits the γ check refused) and ``cfl_unplaced``.
 
+``update_pool=stale_all`` (the registry's ``cfl-pacfl``: the PACFL thesis's CFL code,
+MMorafah/PACFL ``main_cfl.py``) runs the norms, the similarities and the aggregation over *every*
+member of a cluster, each with its latest Δθ_i: this round's if it trained, else the one it sent
+when it last trained (kept per client in a :class:`~flockfl.clientstate.ClientTable`,
+``state.algo['cfl_delta']``), zero if it never trained. The cluster model takes
+θ_c ← θ_c + Σ_{i∈c} p_i Δθ_i every round, so a stale update is applied again each round until its
+client trains again (the thesis's CFL ≈ FedAvg; the spec says not to "fix" it). BN statistics
+(not compared, not in Δθ) take the participants' mean as in FedAvg. A split places every member,
+trained or not, by its Δθ; the thesis code's 0-based ``iteration > 20`` is ``warmup_rounds=21``.
+
 Not modelled: the notebook's persistent client optimisers (momentum across rounds), its model
-cache at splits with best-cached-model evaluation, and the thesis code's stale updates of
-unsampled members (the spec's ``cfl-pacfl``, ``update_pool=stale_all``).
+cache at splits with best-cached-model evaluation.
 """
 
 from __future__ import annotations
@@ -54,10 +63,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from flockfl.aggregation import flatten, weighted_mean
+from flockfl.aggregation import flatten, mean_weights, unflatten, weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import choice, integer, real, weighting
+from flockfl.algorithms.hyper import choice, integer, real, sourced_each, weighting
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
+from flockfl.clientstate import ClientTable
 from flockfl.clustering.bipartition import bipartition, cosine_similarities, cross_max, gamma_bound, intra_min
 from flockfl.engine.functional import index_params
 from flockfl.engine.trainers import stat_names
@@ -69,27 +79,45 @@ class CFL(Algorithm):
     paper = ("Sattler, Müller, Samek, Clustered Federated Learning: Model-Agnostic Distributed Multitask Optimization "
              "under Privacy Constraints, IEEE TNNLS 2021, arXiv 1910.01991")
     hyperparameters = (
-        replace(weighting("uniform"), meaning="weights of the updates in a cluster's mean (its FedAvg and the ε₁ "
-                "test): uniform (the code) or samples n_i (the paper)"),
+        replace(weighting("uniform", source="code", note="felisat/clustered-federated-learning: every member's copy "
+                                                         "gets the unweighted mean of the cluster's Δθ_i"),
+                meaning="weights of the updates in a cluster's mean (its FedAvg and the ε₁ test): uniform (the code) "
+                        "or samples n_i (the paper)"),
         real("eps1", 0.4, "stationarity: a cluster may split only while the norm of its mean update is below ε₁ "
-             "(the code and the PACFL thesis)", "ε₁", gt=0),
+             "(the code and the PACFL thesis)", "ε₁", gt=0, source="code",
+             note="felisat/clustered-federated-learning: EPS_1 = 0.4 (the paper's value: not found)"),
         real("eps2", 1.6, "divergence: ... and its largest client update norm exceeds ε₂ (the code and the PACFL "
-             "thesis)", "ε₂", ge=0),
+             "thesis)", "ε₂", ge=0, source="code",
+             note="felisat/clustered-federated-learning: EPS_2 = 1.6 (the paper's value: not found)"),
         real("gamma_max", None, "accept a split only if γ_max < sqrt((1 − α_cross^max)/2) (the paper's criterion; "
-             "null: no check, as the code and the thesis)", "γ_max", ge=0, lt=1, optional=True),
+             "null: no check, as the code and the thesis)", "γ_max", ge=0, lt=1, optional=True, source="code",
+             note="felisat/clustered-federated-learning has no γ check (the paper's γ_max: not found)"),
         choice("linkage", "complete", ("complete", "single"), "bi-partition of the update similarities: complete "
                "linkage on −α (the code) or single linkage, the exact argmin of the max cross similarity (the paper's "
-               "Alg. 1)"),
-        integer("warmup_rounds", 20, "no split until the 1-based round exceeds this (the code's c_round > 20)", ge=0),
+               "Alg. 1)", source="code",
+               note="felisat/clustered-federated-learning: AgglomerativeClustering(linkage=\"complete\") on −S"),
+        integer("warmup_rounds", 20, "no split until the 1-based round exceeds this (the code's c_round > 20)", ge=0,
+                source="code", note="felisat/clustered-federated-learning: c_round > 20, 1-based (first split in "
+                                    "round 21); not in the paper"),
         integer("min_split_size", 3, "a cluster is tested only with at least this many trained members (the code: "
-                "more than 2)", ge=2),
+                "more than 2)", ge=2, source="code",
+                note="felisat/clustered-federated-learning: len(cluster) > 2; not in the paper"),
+        choice("update_pool", "participants", ("participants", "stale_all"), "whose updates the tests and the mean "
+               "use: this round's participants (the code, the paper) or every member with its latest, possibly stale, "
+               "update (the PACFL thesis's code: cfl-pacfl)", source="code",
+               note="felisat/clustered-federated-learning (and the paper's Alg. 2): this round's Δθ_i, every client "
+                    "participating; under partial participation the participants only, as KarhouTam/FL-bench cfl.py"),
     )
 
     # ------------------------------------------------------------------ state
     def init_state(self, ctx):
         state = super().init_state(ctx)
         root = torch.tensor([-1], dtype=torch.int64)
-        return state.replace(algo={"cfl_parent": root, "cfl_born": root.clone()}, meta={**state.meta, "cfl_splits": []})
+        algo = {"cfl_parent": root, "cfl_born": root.clone()}
+        if self.hp("update_pool") == "stale_all":
+            size = sum(state.models[n][0].numel() for n in self.trainable(ctx))
+            algo["cfl_delta"] = ClientTable(ctx.num_clients, {"d": torch.zeros(size)})
+        return state.replace(algo=algo, meta={**state.meta, "cfl_splits": []})
 
     def trainable(self, ctx) -> list[str]:
         """The parameters whose updates CFL compares (not the BN statistics)."""
@@ -105,20 +133,32 @@ class CFL(Algorithm):
 
     def aggregate(self, state: ServerState, ctx, spec, result, assign) -> ServerState:
         """Test every cluster (a)–(c), split those that pass (and the γ check), then FedAvg
-        inside every cluster, the new ones included."""
+        inside every cluster, the new ones included (with ``stale_all``: over every member)."""
         a = self.cfg.algorithm
         names = self.trainable(ctx)
         start = index_params({k: state.models[k] for k in names}, torch.from_numpy(assign))
-        delta = (flatten(result.params, names) - flatten(start, names)).double().cpu()
+        fresh = flatten(result.params, names) - flatten(start, names)
+        stale = a.update_pool == "stale_all"
+        if stale:  # the pool is every federating client, each with its latest Δθ (zero if it never trained)
+            table = state.algo["cfl_delta"].scatter(result.clients, {"d": fresh.float().cpu()})
+            pool = ctx.seen
+            current = state.assignments.copy()
+            current[result.clients] = assign
+            pool_assign, delta = current[pool], table.gather(pool)["d"].double()
+            sizes = ctx.data.train.sizes[pool]
+            weights_of = lambda members: mean_weights(sizes[members], a.weighting)  # noqa: E731
+        else:
+            pool, pool_assign, delta = result.clients, assign, fresh.double().cpu()
+            weights_of = lambda members: self.weights(result, members)  # noqa: E731
         norms = torch.linalg.vector_norm(delta, dim=1).numpy()
         parent, born = state.algo["cfl_parent"].tolist(), state.algo["cfl_born"].tolist()
-        new_assign, records = assign.copy(), []
+        new_assign, records = pool_assign.copy(), []
         worst, refused, unplaced = 0.0, 0, 0
         for c in range(state.k):
-            members = np.flatnonzero(assign == c)
+            members = np.flatnonzero(pool_assign == c)
             if len(members) == 0:
                 continue
-            mean = weighted_mean({"d": delta[members]}, self.weights(result, members))["d"]
+            mean = weighted_mean({"d": delta[members]}, weights_of(members))["d"]
             mean_norm, max_norm = float(torch.linalg.vector_norm(mean)), float(norms[members].max())
             worst = max(worst, mean_norm)
             if not (len(members) >= a.min_split_size and state.round + 1 > a.warmup_rounds
@@ -134,7 +174,7 @@ class CFL(Algorithm):
             parent.append(c)
             born.append(state.round)
             new_assign[members[labels == 1]] = child
-            absent = np.setdiff1d(ctx.seen[state.assignments[ctx.seen] == c], result.clients)
+            absent = [] if stale else np.setdiff1d(ctx.seen[state.assignments[ctx.seen] == c], result.clients)
             unplaced += len(absent)
             records.append({"round": int(state.round), "parent": c, "children": [c, child],
                             "sizes": [int((labels == 0).sum() + len(absent)), int((labels == 1).sum())],
@@ -144,10 +184,29 @@ class CFL(Algorithm):
         if records:  # each new cluster starts from its parent's model
             src = torch.tensor(parent[state.k:], dtype=torch.int64)
             grown = state.replace(models={k: torch.cat([v, v[src.to(v.device)]]) for k, v in state.models.items()})
-        new = super().aggregate(grown, ctx, spec, result, new_assign)
-        new = new.replace(algo={**state.algo, "cfl_parent": torch.tensor(parent, dtype=torch.int64),
-                                "cfl_born": torch.tensor(born, dtype=torch.int64)},
-                          meta={**state.meta, "cfl_splits": list(state.meta.get("cfl_splits", [])) + records})
+        algo = {**state.algo, "cfl_parent": torch.tensor(parent, dtype=torch.int64),
+                "cfl_born": torch.tensor(born, dtype=torch.int64)}
+        if stale:
+            trained = new_assign[np.searchsorted(pool, result.clients)]
+            new = super().aggregate(grown, ctx, spec, result, trained)  # BN statistics: the participants' mean
+            models = dict(new.models)
+            for j in range(new.k):  # θ_j ← θ_j + Σ p_i Δθ_i over every member, stale updates included
+                members = np.flatnonzero(new_assign == j)
+                if len(members) == 0:
+                    continue
+                step = weighted_mean({"d": delta[members]}, weights_of(members))["d"]
+                base = {n: grown.models[n][j] for n in names}
+                moved = unflatten(flatten(base, names, lead=0) + step.to(flatten(base, names, lead=0)), base, lead=0)
+                for n in names:
+                    models[n] = models[n].clone() if models[n] is new.models[n] else models[n]
+                    models[n][j] = moved[n]
+            assignments = new.assignments.copy()
+            assignments[pool] = new_assign
+            new = new.replace(models=models, assignments=assignments)
+            algo["cfl_delta"] = table
+        else:
+            new = super().aggregate(grown, ctx, spec, result, new_assign)
+        new = new.replace(algo=algo, meta={**state.meta, "cfl_splits": list(state.meta.get("cfl_splits", [])) + records})
         log_round(new, cfl_splits=len(records), cfl_clusters=new.k, cfl_mean_update_norm=worst,
                   cfl_max_update_norm=float(norms.max()), cfl_refused=refused, cfl_unplaced=unplaced)
         return new
@@ -155,3 +214,31 @@ class CFL(Algorithm):
     def admit_newcomers(self, state, ctx, newcomers):
         """A newcomer joins the cluster whose model has the lowest loss on its training data."""
         return state, assign_by_min_loss(cluster_losses(state, ctx, newcomers)), "the lowest-loss cluster model"
+
+
+# where cfl-pacfl's defaults come from: the thesis's text, or its code (MMorafah/PACFL, which copies felisat's
+# helpers)
+THESIS_RUN = {
+    "weighting": ("code", "MMorafah/PACFL main_cfl.py: felisat's unweighted mean of the cluster's Δθ_i"),
+    "eps1": ("thesis", "the thesis's CFL: ε₁ = 0.4 (hard-coded in MMorafah/PACFL main_cfl.py)"),
+    "eps2": ("thesis", "the thesis's CFL: ε₂ = 1.6 (hard-coded in MMorafah/PACFL main_cfl.py)"),
+    "gamma_max": ("thesis", "the thesis's CFL has no γ check"),
+    "linkage": ("code", "MMorafah/PACFL main_cfl.py: felisat's complete linkage on −S"),
+    "warmup_rounds": ("code", "MMorafah/PACFL main_cfl.py: iteration > 20, 0-based (first split in round 22)"),
+    "min_split_size": ("code", "MMorafah/PACFL main_cfl.py: len(cluster) > 2"),
+    "update_pool": ("code", "MMorafah/PACFL main_cfl.py, client_cfl.py: every member's latest Δθ_i, stale if "
+                            "not sampled, zero if never"),
+}
+
+
+class CFLPACFL(CFL):
+    """CFL as the PACFL thesis ran it (its tables' CFL row): every member's latest update."""
+
+    name = "cfl-pacfl"
+    paper = ("Sattler, Müller, Samek (CFL), as run by the PACFL thesis's code (MMorafah/PACFL main_cfl.py): stale "
+             "updates of unsampled members, first split in round 22")
+    hyperparameters = sourced_each(tuple(
+        replace(h, default="stale_all") if h.name == "update_pool"
+        else replace(h, default=21, meaning="no split until the 1-based round exceeds this (the thesis code's 0-based "
+                     "iteration > 20: the first split is in round 22)") if h.name == "warmup_rounds" else h
+        for h in CFL.hyperparameters), THESIS_RUN)

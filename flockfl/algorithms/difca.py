@@ -54,7 +54,12 @@ participation) and ``algo['token_holder']`` (each cluster's token holder in roun
 IFCA's keys apply as in IFCA: ``k``, ``init`` and the keys of its options (``init_path``,
 ``min_cluster_frac``, ``max_tries``, ``pretrain_*``) give the server's θ_j^(0); under
 ``reference_gi`` every client's copies start from them, under ``reference_li`` only the
-representatives do. DIFCA narrows ``option`` to ``model`` (IFCA option II), ``weighting`` to
+representatives do. ``init`` defaults to ``random``, the seed's start: the light server
+publishes k initial models and the contact list (Alg. 1 l.1) and has no step before round 0, so
+nothing is uploaded or clustered centrally. ``init=pretrain_kmeans`` (IFCA's library start: a
+cohort uploads trained models and the server runs k-means before round 0) stays available as
+an option, but it is a central step that DIFCA as published does not have ("DIFCA + k-means
+start" in tables). DIFCA narrows ``option`` to ``model`` (IFCA option II), ``weighting`` to
 ``uniform`` (there is no server mean) and ``shared`` to ``none``.
 """
 
@@ -67,7 +72,7 @@ import torch
 
 from flockfl.aggregation import flatten, unflatten
 from flockfl.algorithms.difca_reference import client_copies
-from flockfl.algorithms.hyper import Hyper, choice, integer
+from flockfl.algorithms.hyper import Hyper, choice, declared, integer, sourced
 from flockfl.algorithms.ifca import IFCA
 from flockfl.algorithms.model_choice import (assign_by_max_confidence, assign_by_min_loss, cluster_losses,
                                              confidence_scores)
@@ -98,24 +103,34 @@ class DIFCA(IFCA):
              "(seed 002, 2024), on IFCA (arXiv 2006.04088)")
     hyperparameters = (
         choice("weighting", "uniform", ("uniform",), "unused: DIFCA has no server mean (the gossip's weights are "
-               "algorithm.gossip_weighting)", "p_i"),
+               "algorithm.gossip_weighting)", "p_i", source="paper", note="seed 002: the server never averages"),
+        sourced(declared(IFCA)["k"], "library", "seed 002 runs k = p = 4, its data's 4 rotations; 2 as IFCA"),
         choice("option", "model", ("model",), "local update: IFCA option II (τ local steps, train.*); option I is not "
-               "defined for DIFCA"),
+               "defined for DIFCA", source="paper", note="seed 002, Alg. 1 l.11: LocalUpdate(θ_ĵ, γ, τ)"),
+        sourced(declared(IFCA)["init"], "paper", "seed 002, Alg. 1 l.1: the server publishes k initial models; no "
+                "step before round 0 (pretrain_kmeans would be a central upload and k-means)"),
         Hyper("shared", "none", "weight sharing: none (IFCA's shared trunk needs a mean over all participants, which "
-              "DIFCA's per-cluster gossip does not form)", kind="choice", choices=("none",)),
+              "DIFCA's per-cluster gossip does not form)", kind="choice", choices=("none",), source="paper",
+              note="seed 002 shares no weights"),
         integer("partners", 10, "gossip repeats per round: exchanges with same-cluster peers (0: the token holder's "
-                "own model is the representative)", "R", ge=0),
+                "own model is the representative)", "R", ge=0, source="library",
+                note="seed 002 leaves R open ('Determine number of exchanges per epoch')"),
         choice("gossip", "random_pairs", ("random_pairs", "matching"), "who exchanges in a repeat: every member with a "
-               "uniformly drawn same-cluster peer (random_pairs), or a random perfect matching (matching)"),
+               "uniformly drawn same-cluster peer (random_pairs), or a random perfect matching (matching)",
+               source="library", note="seed 002 l.17: peer_exchange with a same-cluster peer, drawn how is not said"),
         choice("gossip_weighting", "uniform", ("uniform", "samples"), "exchange average: (θ_i+θ_j)/2 (uniform, the "
-               "seed) or n-weighted (samples, n_i exchanged with θ_i)", "n_i"),
+               "seed) or n-weighted (samples, n_i exchanged with θ_i)", "n_i", source="paper",
+               note="seed 002, Alg. 1 l.18: (θ_i + θ_j)/2"),
         choice("dfca_variant", "none", VARIANTS, "none: the seed's algorithm; reference_gi / reference_li: the reference "
                "code's (every client keeps all k models, random partner counts, any-cluster partners, α=0.5/0.4), "
-               "with shared (gi) or per-client (li) initial models"),
+               "with shared (gi) or per-client (li) initial models", source="paper", note="seed 002, Alg. 1"),
         choice("inference", "loss", ("loss", "confidence"), "evaluation's model choice: argmin training loss (loss) or "
-               "argmax mean max-softmax on the client's unlabelled test inputs (confidence)"),
+               "argmax mean max-softmax on the client's unlabelled test inputs (confidence)", source="paper",
+               note="seed 002, Alg. 1 l.7-8 choose by loss; its 'confidence based inference' bullet is "
+                    "inference=confidence (the formula is the library's reading)"),
         choice("participation", "fixed", ("fixed", "sampled"), "participants: a set M of train.clients_per_round "
-               "clients fixed for the run (fixed, the seed) or a new cohort every round (sampled)", "M"),
+               "clients fixed for the run (fixed, the seed) or a new cohort every round (sampled)", "M",
+               source="paper", note="seed 002, Alg. 1 l.3: M, fixed for the run"),
     )
 
     @classmethod

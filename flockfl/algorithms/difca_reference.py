@@ -73,7 +73,8 @@ class ClientCopies:
         return {name: v.unsqueeze(0).expand(ctx.num_clients, *v.shape).clone() for name, v in state.models.items()}
 
     def after_pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
-        """gi: every client's copies start from the k models IFCA's pre-federation step produced."""
+        """gi: every client's copies start from the k models IFCA's pre-federation step produced
+        (``init=pretrain_kmeans`` only: DIFCA's default start has no such step)."""
         if not self.shared_init:
             return state
         return state.replace(algo={**state.algo, "client_models": self.broadcast(state, ctx)})

@@ -7,12 +7,16 @@ and, each round it is selected, takes ``personal_epochs`` epochs of
     v_k ← v_k − η(∇F_k(v_k; b) + λ(v_k − w^t)),
 
 anchored to the round-start global w^t: LocalSpec's proximal term (``prox_mu`` = λ,
-``prox_anchor`` = w^t), so both trainers run it. The personal pass uses the round's batch
-order (stream ``shuffle``: the official code's v- and w-steps share each batch) and runs
-*sequentially* before the global pass (PFLlib, FL-bench; the official code interleaves them
-step by step, which gives the same v when the two passes do not interact: they do not, v
-never feeds w). ``train.momentum`` applies to both passes. λ = 0 is local training; λ → ∞
-gives v_k = w^t.
+``prox_anchor`` = w^t), so both trainers run it. ``schedule`` says which batches:
+
+- ``interleaved`` (default, the official code litian96/ditto): one v-step beside each w-step on
+  the same mini-batch. v never feeds w and w^t is fixed during the round, so running the v-steps
+  as one pass over the round's batch order (stream ``shuffle``) before the global pass gives
+  exactly the interleaved result; ``personal_epochs`` must then equal the global pass's epochs.
+- ``sequential`` (PFLlib, FL-bench): ``personal_epochs`` epochs on v with their own batch
+  order (stream ``personal``), then the global pass.
+
+``train.momentum`` applies to both passes. λ = 0 is local training; λ → ∞ gives v_k = w^t.
 
 State: v_k in a :class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``); only
 the cohort's rows are read and written. A client never seen starts from the current global w
@@ -30,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import integer, real, weighting
+from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels, run_pass
 from flockfl.client import finetune_epochs, pass_spec
@@ -41,12 +45,32 @@ class Ditto(PersonalModels):
     name = "ditto"
     paper = "Li et al., Ditto: Fair and Robust Federated Learning Through Personalization, ICML 2021, arXiv 2012.04221"
     hyperparameters = (
-        weighting("samples"),
+        weighting("samples", source="library", note="FedAvg's n_i weights, as TsingZ0/PFLlib and KarhouTam/FL-bench; "
+                                                    "the official litian96/ditto samples clients ∝ n_k and adds the "
+                                                    "uniform mean of Δw"),
         real("lam", 1.0, "proximal weight pulling each personal model v_k towards the global w (default 1: the "
-             "official code's FMNIST script and FL-bench; 0 = local training)", "λ", ge=0),
+             "official code's FMNIST script and FL-bench; 0 = local training)", "λ", ge=0, source="code",
+             note="litian96/ditto run_fashion_clean_ditto_lam1.sh: λ = 1 (main.py default 0; FL-bench 1)"),
         integer("personal_epochs", None, "local epochs on v_k per selected round (default null = train.local_epochs, "
-                "as PFLlib and FL-bench: one pass beside each global pass)", "s", ge=0, optional=True),
+                "as PFLlib and FL-bench: one pass beside each global pass)", "s", ge=0, optional=True, source="code",
+                note="litian96/ditto ditto.py: one v-step beside each of the local w-steps (PFLlib, FL-bench: 1 "
+                     "personal epoch beside 1 global)"),
+        choice("schedule", "interleaved", ("interleaved", "sequential"), "interleaved: a v-step beside each w-step on "
+               "the same batch (the official code); sequential: the personal epochs on their own batch order, then the "
+               "global ones (PFLlib, FL-bench)", source="code",
+               note="litian96/ditto flearn/trainers_MTL/ditto.py: per minibatch one step on v, then one on w"),
     )
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        a, t = cfg.algorithm, cfg.train
+        e = getattr(a, "personal_epochs", None)
+        if getattr(a, "schedule", "interleaved") == "interleaved" and e is not None and e != t.local_epochs:
+            raise ValueError(f"algorithm.personal_epochs: {e} personal epochs cannot interleave with "
+                             f"train.local_epochs={t.local_epochs} (one v-step beside each w-step); leave it unset "
+                             "or set algorithm.schedule=sequential")
+
     def epochs(self) -> int:
         e: Optional[int] = self.hp("personal_epochs")
         return self.cfg.train.local_epochs if e is None else int(e)
@@ -62,7 +86,8 @@ class Ditto(PersonalModels):
         spec = Algorithm.local_spec(self, state, ctx, clients, round)
         v = self.own_models(state, ctx, clients, None)
         if self.epochs():
-            v = run_pass(ctx, state, self.personal_spec(state, ctx, clients, v, self.epochs(), "shuffle"), round).params
+            stream = "shuffle" if self.hp("schedule") == "interleaved" else "personal"
+            v = run_pass(ctx, state, self.personal_spec(state, ctx, clients, v, self.epochs(), stream), round).params
         spec.meta = {**spec.meta, "personal": {k: x.contiguous() for k, x in v.items()}}
         return spec
 

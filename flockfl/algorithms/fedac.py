@@ -93,13 +93,17 @@ from flockfl.client import round_spec
 from flockfl.clientstate import ClientTable
 from flockfl.clustering.lrcos import coordinates, e_step, em_step, lrcos, pca_map
 from flockfl.context import RunContext
-from flockfl.evaluation import client_model_losses, cluster_breakdown, own_cluster_metrics, summarise_clients
+from flockfl.evaluation import client_model_losses, cluster_breakdown, family, measure_shared, protocol
 from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState, log_round
 from models import init_params
+
+
+# the spec's placeholders (spec §3.3): the paper's values are not recoverable from the seed
+PLACEHOLDER = {"source": "library", "note": "the spec's placeholder; the paper's value is not recoverable"}
 
 
 class FedAC(Algorithm):
@@ -109,27 +113,37 @@ class FedAC(Algorithm):
     finetune_momentum = False  # [kept as it was] FedAC's fine-tuning has never used train.momentum
     paper = "Zhang et al., FedAC: An Adaptive Clustered Federated Learning Framework for Heterogeneous Data, arXiv 2403.16460"
     hyperparameters = (
-        replace(weighting("samples"), meaning="weights of the participants' embeddings in the global embedding Φ: "
+        replace(weighting("samples", source="library", note="Φ^{t+1} is printed as a sum of the φ_i; an n_i-weighted "
+                          "mean"), meaning="weights of the participants' embeddings in the global embedding Φ: "
                 "samples (n_i) or uniform"),
-        integer("k", 4, "initial number of clusters (Cluster Number Tuning changes it)", "K⁰", ge=1),
-        real("mu", 0.01, "pull of ω_i towards its cluster centroid, (μ/2)‖ω_i − Ω_k*‖²", "μ", ge=0),
-        real("lam", 0.01, "pull of the embedding φ_i towards the global embedding, (λ/2)‖φ_i − Φ‖²", "λ", ge=0),
-        integer("components", None, "PCA components of LrCos (null: min(|S_t| − 1, 10))", "D", ge=1, optional=True),
+        integer("k", 4, "initial number of clusters (Cluster Number Tuning changes it)", "K⁰", ge=1, **PLACEHOLDER),
+        real("mu", 0.01, "pull of ω_i towards its cluster centroid, (μ/2)‖ω_i − Ω_k*‖²", "μ", ge=0, **PLACEHOLDER),
+        real("lam", 0.01, "pull of the embedding φ_i towards the global embedding, (λ/2)‖φ_i − Φ‖²", "λ", ge=0,
+             **PLACEHOLDER),
+        integer("components", None, "PCA components of LrCos (null: min(|S_t| − 1, 10))", "D", ge=1, optional=True,
+                source="library", note="economy SVD of the centred participants' models: D ≤ |S_t| − 1"),
         Hyper("center_before_project", False, "LrCos on M(ω − mean of the participants) instead of Mω "
-              "(uncentred, scale-invariant)", "", "bool"),
-        integer("pca_refresh_every", 1, "recompute the PCA map M every this many rounds, reusing it in between", ge=1),
+              "(uncentred, scale-invariant)", "", "bool", source="paper",
+              note="Alg. 2: LrCos = ⟨Mω_i, MΩ_k⟩/(‖Mω_i‖‖MΩ_k‖), uncentred as written"),
+        integer("pca_refresh_every", 1, "recompute the PCA map M every this many rounds, reusing it in between", ge=1,
+                source="library", note="the paper 'proceeds sparsely' without a period"),
         choice("lrcos_on", "model", ("model", "decision"), "the vectors of LrCos and CNT: all of ω, or only the "
-               "decision layers h (cheaper)"),
+               "decision layers h (cheaper)", source="paper", note="Alg. 2: H = [ω_1, …], the whole models"),
         choice("e_step", "all", ("all", "participants"), "E-step over every client the server holds a model of, or "
-               "over this round's participants only"),
-        real("merge_threshold", 0.1, "CNT: a cluster with G_c below it merges into its nearest cluster", "a", ge=0),
-        real("split_threshold", 1.0, "CNT: a cluster with G_c above it splits in two", "b", gt=0),
+               "over this round's participants only", source="paper",
+               note="the E-step assigns all m clients (their last known ω_i)"),
+        real("merge_threshold", 0.1, "CNT: a cluster with G_c below it merges into its nearest cluster", "a", ge=0,
+             **PLACEHOLDER),
+        real("split_threshold", 1.0, "CNT: a cluster with G_c above it splits in two", "b", gt=0, **PLACEHOLDER),
         integer("cnt_warmup", 0, "rounds without Cluster Number Tuning at the start (G_c means little while the "
-                "models are still close to their common init)", ge=0),
-        integer("cnt_every", 1, "run Cluster Number Tuning every this many rounds (after the warm-up)", ge=1),
+                "models are still close to their common init)", ge=0, source="library",
+                note="Alg. 3 tunes from the first round"),
+        integer("cnt_every", 1, "run Cluster Number Tuning every this many rounds (after the warm-up)", ge=1,
+                source="library", note="Alg. 3 runs every round"),
         integer("decision_layers", None, "the last n Linear layers form the decision h, the rest the embedding φ "
                 "(null: conv/BN layers are φ and the Linear layers h; without convs, the last Linear layer is h)",
-                "", ge=1, optional=True),
+                "", ge=1, optional=True, source="library",
+                note="the paper: shallow convolutional layers φ, deep fully connected layers h"),
     )
 
     @classmethod
@@ -283,10 +297,8 @@ class FedAC(Algorithm):
         out = {k: v for k, v in base.items() if k.startswith("cluster/")}
         has = mine >= 0
         if has.any():
-            l_c, a_c, n_c = own_cluster_metrics(ctx.model, state.models, mine[has], ctx.data.test, clients[has],
-                                                ctx.data.task)
-            out.update({f"{k}_centroid": v for k, v in summarise_clients(l_c, a_c, n_c, ctx.data.task).items()
-                        if k in ("accuracy", "loss")})
+            cm = measure_shared(ctx, state.models, mine[has], clients[has])
+            out.update(family(cm, protocol(ctx), ctx.data.task, "_centroid", keys=("accuracy_centroid", "loss_centroid")))
         out.update(base, num_clusters=state.k)
         return out
 

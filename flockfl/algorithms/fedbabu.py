@@ -21,12 +21,12 @@ import dataclasses
 
 import numpy as np
 
-from flockfl.algorithms.hyper import choice, integer, real, weighting
+from flockfl.algorithms.hyper import choice, integer, real, sourced, weighting
 from flockfl.algorithms.personal import PartialSharing, frozen_masks, partition_key, run_pass
 from flockfl.client import pass_spec
 from flockfl.engine import TRAINERS
 from flockfl.engine.trainers import TrainResult
-from flockfl.evaluation import own_model_metrics
+from flockfl.evaluation import measure_own
 
 
 class FedBABU(PartialSharing):
@@ -34,15 +34,20 @@ class FedBABU(PartialSharing):
     paper = ("Oh et al., FedBABU: Toward Enhanced Representation for Federated Image Classification, ICLR 2022, "
              "arXiv 2106.06042")
     hyperparameters = (
-        weighting("uniform"),
-        partition_key("personal_layers", "head", "the head, frozen at its seeded init during federation (default head, "
-                   "the last Linear: the paper; none = FedAvg training)", "θ_cls"),
+        weighting("uniform", source="code", note="jhoon-oh/FedBABU main_fed.py: the uniform mean of the bodies"),
+        sourced(partition_key("personal_layers", "head", "the head, frozen at its seeded init during federation "
+                              "(default head, the last Linear: the paper; none = FedAvg training)", "θ_cls"),
+                "paper", "the linear classifier, randomly initialised once and never updated during federation"),
         integer("finetune_epochs", 5, "local fine-tuning epochs at evaluation (default 5: the official code's "
-                "analysis notebook; 0 = the global model)", "τ_f", ge=0),
-        real("finetune_lr", 1e-3, "fine-tuning learning rate (default 1e-3: the official code)", "η_f", gt=0),
-        real("finetune_momentum", 0.9, "fine-tuning SGD momentum (default 0.9: the official code)", "", ge=0, lt=1),
+                "analysis notebook; 0 = the global model)", "τ_f", ge=0, source="code",
+                note="jhoon-oh/FedBABU analysis.ipynb: 5 epochs (PFLlib 10)"),
+        real("finetune_lr", 1e-3, "fine-tuning learning rate (default 1e-3: the official code)", "η_f", gt=0,
+             source="code", note="jhoon-oh/FedBABU analysis.ipynb: SGD lr 1e-3 (PFLlib: the local lr)"),
+        real("finetune_momentum", 0.9, "fine-tuning SGD momentum (default 0.9: the official code)", "", ge=0, lt=1,
+             source="code", note="jhoon-oh/FedBABU analysis.ipynb: momentum 0.9"),
         choice("finetune_parts", "all", ("all", "head"), "what fine-tuning trains: all (body and head, the paper "
-               "and official code) or head"),
+               "and official code) or head", source="paper",
+               note="the whole model is fine-tuned (also jhoon-oh/FedBABU analysis.ipynb: body and head)"),
     )
     keeps_rows = False
 
@@ -70,7 +75,7 @@ class FedBABU(PartialSharing):
     def chunk_metrics(self, state, ctx, clients, assign):
         out = super().chunk_metrics(state, ctx, clients, assign)
         res = self.tune(state, ctx, clients, state.round, None, "fedbabu_finetune")
-        tuned = own_model_metrics(ctx.model, res.params, ctx.data.test, clients, ctx.data.task) if res else out[""]
+        tuned = measure_own(ctx, res.params, clients) if res else out[""]
         return {"": tuned, "_global": out[""]}
 
     def finetune(self, state, ctx, clients, assign, round, engine, stream):

@@ -20,7 +20,8 @@ from flockfl.algorithms.personal import PartialSharing
 class FedBN(PartialSharing):
     name = "fedbn"
     paper = "Li et al., FedBN: Federated Learning on Non-IID Features via Local Batch Normalization, arXiv 2102.07623"
-    hyperparameters = (weighting("uniform"),)
+    hyperparameters = (weighting("uniform", source="code", note="med-air/FedBN fed_digits.py: client weights 1/N, full "
+                                                                "participation"),)
 
     @classmethod
     def check_config(cls, cfg) -> None:

@@ -37,7 +37,7 @@ import torch
 
 from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import choice, integer
+from flockfl.algorithms.hyper import choice, integer, weighting
 from flockfl.rng import np_rng
 
 
@@ -45,15 +45,21 @@ class FedCluster(Algorithm):
     name = "fedcluster"
     paper = "Chen, Chen, Zhou, Kailkhura, FedCluster: Boosting the Convergence of FL via Cluster-Cycling, arXiv 2009.10748"
     hyperparameters = (
-        integer("k", 2, "number of device clusters M: one global update per cluster per round", "M", ge=1),
+        weighting("samples", source="paper", note="p_k = n_k / n"),
+        integer("k", 2, "number of device clusters M: one global update per cluster per round", "M", ge=1,
+                source="library", note="the paper gives no universal value"),
         integer("per_cycle", None, "clients sampled per cycle (None: train.clients_per_round // M, at least 1)",
-                "|S'|", ge=1, optional=True),
+                "|S'|", ge=1, optional=True, source="library",
+                note="so that a round does FedAvg's device work"),
         choice("cluster_order", "random_permutation", ("random_permutation", "fixed"),
-               "order of the clusters in a round: a fresh permutation σ_j per round, or by index"),
+               "order of the clusters in a round: a fresh permutation σ_j per round, or by index", source="paper",
+               note="σ_j, a random permutation of [M] every round"),
         choice("cluster_assign", "random_equal", ("random_equal", "given"),
-               "clusters: a seeded random split into M near-equal parts, or the partition's ground-truth groups"),
+               "clusters: a seeded random split into M near-equal parts, or the partition's ground-truth groups",
+               source="library", note="the paper allows any static grouping (by availability, region …)"),
         choice("normalize", "sampled", ("sampled", "cluster_mass"),
-               "aggregation weights p_k/Σ_{S'} p (sum to 1) or p_k/q_m (the paper's literal weights)"),
+               "aggregation weights p_k/Σ_{S'} p (sum to 1) or p_k/q_m (the paper's literal weights)", source="paper",
+               note="equal to the paper's p_k/q_m when S' is the whole cluster, the one case where those sum to 1"),
     )
 
     @classmethod

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import real
+from flockfl.algorithms.hyper import real, weighting
 from flockfl.engine.functional import num_params
 
 
@@ -39,7 +39,11 @@ def fedeff_epochs(sigma, beta, delta, base_epochs: float, edf: float, min_epochs
 class FedEff(Algorithm):
     name = "fedeff"
     paper = "FedEff: per-client local epochs that fill an estimated round time (seed 000)"
-    hyperparameters = (real("edf", 0.5, "epoch-deciding factor: ERT is set by edf·E_b epochs of the mean client", "τ", gt=0, le=1),)
+    hyperparameters = (
+        weighting("samples", source="paper", note="Alg. 2: GW_r = Σ_i (n_i/n) LW_i"),
+        real("edf", 0.5, "epoch-deciding factor: ERT is set by edf·E_b epochs of the mean client", "τ", gt=0, le=1,
+             source="library", note="the paper's value is not recoverable from the seed (spec §3.5)"),
+    )
 
     def init_state(self, ctx):
         state = super().init_state(ctx)

@@ -14,14 +14,17 @@ values could not be verified and it has no official code) takes any partition of
 
 from __future__ import annotations
 
-from flockfl.algorithms.hyper import weighting
+from flockfl.algorithms.hyper import sourced, weighting
 from flockfl.algorithms.personal import PartialSharing, partition_key
 
 class FedPer(PartialSharing):
     name = "fedper"
     paper = "Arivazhagan et al., Federated Learning with Personalization Layers, arXiv 1912.00818"
     hyperparameters = (
-        weighting("samples"),
-        partition_key("personal_layers", "head", "the personalisation layers kept on each client (default head, "
-                   "K_P = 1: PFLlib's code; the paper's K_P is unverified)", "W_P"),
+        weighting("samples", source="paper", note="the server averages the base layers W_B as FedAvg, n_i-weighted "
+                                                  "(also TsingZ0/PFLlib)"),
+        sourced(partition_key("personal_layers", "head", "the personalisation layers kept on each client (default "
+                              "head, K_P = 1: PFLlib's code; the paper's K_P is unverified)", "W_P"),
+                "code", "TsingZ0/PFLlib clientper.py: W_P = the head (no official code; the paper's K_P: not "
+                        "verified)"),
     )

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from flockfl.algorithms.hyper import integer, weighting
+from flockfl.algorithms.hyper import integer, sourced, weighting
 from flockfl.algorithms.personal import PartialSharing, frozen_masks, partition_key, run_pass
 from flockfl.client import finetune_epochs, pass_spec, round_spec
 from flockfl.engine import TRAINERS
@@ -31,13 +31,17 @@ class FedRep(PartialSharing):
     name = "fedrep"
     paper = "Collins et al., Exploiting Shared Representations for Personalized Federated Learning, ICML 2021, arXiv 2102.07078"
     hyperparameters = (
-        weighting("samples"),
-        partition_key("personal_layers", "head", "the head h_i kept on each client (default head, the last Linear: "
-                   "the paper and its code)", "h_i"),
+        weighting("samples", source="code", note="lgcollins/FedRep main_fedrep.py: n_i-weighted mean of φ_i (the "
+                                                 "paper prints the plain mean)"),
+        sourced(partition_key("personal_layers", "head", "the head h_i kept on each client (default head, the last "
+                              "Linear: the official code's split)", "h_i"),
+                "code", "lgcollins/FedRep: the representation is every layer but the final Linear (CNNCifar: fc3)"),
         integer("head_epochs", 10, "local epochs on the head, body fixed (default 10: the official code's CIFAR "
-                "--local_ep 11 --local_rep_ep 1)", "τ_h", ge=0),
+                "--local_ep 11 --local_rep_ep 1)", "τ_h", ge=0, source="code",
+                note="lgcollins/FedRep scripts: CIFAR --local_ep 11 --local_rep_ep 1 (PFLlib 1, FL-bench 4)"),
         integer("body_epochs", 1, "local epochs on the body, head fixed, after the head epochs (default 1: the "
-                "official code)", "τ_φ", ge=0),
+                "official code)", "τ_φ", ge=0, source="code",
+                note="lgcollins/FedRep scripts: --local_rep_ep 1 on CIFAR (5 on FEMNIST)"),
     )
 
     def local_spec(self, state, ctx, clients, round):

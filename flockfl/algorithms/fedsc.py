@@ -24,7 +24,7 @@ import torch
 
 from flockfl import clustering
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import choice, integer, real
+from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.rng import np_rng
 
 
@@ -32,11 +32,16 @@ class FedSC(Algorithm):
     name = "fedsc"
     paper = "Wang, Liu, Xu, Fu, FedSC: client-side clustering, Electronic Research Archive 31(9) 2023"
     hyperparameters = (
-        integer("k", 2, "number of client clusters (the paper's N)", "N", ge=1),
+        weighting("samples", source="paper", note="§3.3: w − η Σ (|D_i|/n_S) Δw_i"),
+        integer("k", 2, "number of client clusters (the paper's N)", "N", ge=1, source="library",
+                note="no value is recoverable; the paper finds more clusters better"),
         choice("schedule", "chained", ("chained", "simultaneous"), "one cluster per round, chained (paper), "
-               "or a stratified sample of every cluster each round"),
-        choice("order", "index", ("index", "random"), "chained order: cluster index, or a random permutation per pass"),
-        real("server_lr", 1.0, "server step on the weighted mean update (1 = averaging)", "η_g", gt=0),
+               "or a stratified sample of every cluster each round", source="paper",
+               note="§3.3: the model is chained through the clusters"),
+        choice("order", "index", ("index", "random"), "chained order: cluster index, or a random permutation per pass",
+               source="paper", note="§3.3: cluster 1, 2, …, N, then again"),
+        real("server_lr", 1.0, "server step on the weighted mean update (1 = averaging)", "η_g", gt=0, source="library",
+             note="the seed uses η for both rates; 1 is sample-weighted averaging"),
     )
 
     def pre_federation(self, state, ctx):

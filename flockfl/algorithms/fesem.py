@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from flockfl.algorithms.grouped import GroupedClients, rows64, shift_hypers, with_round_log
-from flockfl.algorithms.hyper import Hyper, integer, weighting
+from flockfl.algorithms.hyper import Hyper, integer, sourced_each, weighting
 from flockfl.clientstate import ClientTable
 from flockfl.clustering.groups import nearest_centers
 from flockfl.engine.functional import stack
@@ -45,11 +45,19 @@ class FeSEM(GroupedClients):
     name = "fesem"
     paper = "Long et al., Multi-center federated learning (FeSEM), World Wide Web 2023 (arXiv 2005.01026)"
     hyperparameters = (
-        weighting("uniform"),
-        integer("k", 3, "number of centers", "K", ge=1),
+        weighting("uniform", source="paper", note="a center is the simple average of its members (FlexCFL §4)"),
+        integer("k", 3, "number of centers", "K", ge=1, source="paper",
+                note="FlexCFL's tables run it with their m: 3 on MNIST, 5 on the other data"),
         Hyper("legacy_first_update_only", False, "the official FlexCFL code's bug: a center takes only its first "
-              "selected member's model instead of the simple average", "", "bool"),
-        *shift_hypers(False),
+              "selected member's model instead of the simple average", "", "bool", source="paper",
+              note="the simple average as described; true reproduces the FlexCFL code, whose published numbers "
+                   "probably include the bug (spec §8 item 8)"),
+        # FeSEM-MIG's keys: FlexCFL's shift machinery, as the FlexCFL paper and code run FeSEM
+        *sourced_each(shift_hypers(False), {
+            "migration": ("paper", "FeSEM has no shift detection; true is FlexCFL's FeSEM-MIG (Fig. 6)"),
+            "shift_detector": ("code", "FlexCFL's detector, as FeSEM-MIG uses it"),
+            "tau_ratio": ("paper", "FlexCFL's Eq. 9, as FeSEM-MIG uses it"),
+            "round_robin": ("code", "FlexCFL's code selects every method's clients so (§5.6)")}),
     )
 
     def init_models(self, ctx):

@@ -98,11 +98,11 @@ import torch
 
 from flockfl import clustering
 from flockfl.algorithms.grouped import GroupedClients, from_row, rows64, shift_hypers, with_round_log
-from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
+from flockfl.algorithms.hyper import Hyper, choice, integer, real, sourced_each, weighting
 from flockfl.client import train_from
 from flockfl.clustering.groups import eq8_assign, inter_group, kmeans_partition, madc_matrix
 from flockfl.context import RunContext
-from flockfl.evaluation import own_cluster_metrics, summarise_clients
+from flockfl.evaluation import family, measure_shared, protocol
 from flockfl.rng import np_rng
 from flockfl.state import ServerState
 
@@ -112,22 +112,32 @@ class FlexCFL(GroupedClients):
     paper = ("Duan et al., FlexCFL: Flexible Clustered Federated Learning for Client-Level Data Distribution Shift, "
              "IEEE TPDS 33(11) 2022 (migration=false: FedGroup)")
     hyperparameters = (
-        weighting("samples"),
-        integer("k", 3, "number of groups", "m", ge=1),
-        integer("alpha", 20, "pre-training scale: min(α·m, N) clients pre-train for the group cold start", "α", ge=1),
+        weighting("samples", source="paper", note="Alg. 2: FedAvg (n_i) inside each group"),
+        integer("k", 3, "number of groups", "m", ge=1, source="paper",
+                note="m = 3 on MNIST (Fig. 3); 5 on FEMNIST and FashionMNIST (Fig. 4) and on Synthetic (code)"),
+        integer("alpha", 20, "pre-training scale: min(α·m, N) clients pre-train for the group cold start", "α", ge=1,
+                source="paper", note="§5.1: α = 20"),
         Hyper("pretrain_steps", 50, "SGD steps of every pre-training from w_0 (the code; null: one ClientUpdate of "
-              "train.local_epochs epochs, the paper)", "", "int", ge=1, optional=True),
+              "train.local_epochs epochs, the paper)", "", "int", ge=1, optional=True, source="code",
+              note="pretrain(init_params, iterations=50); the paper's Alg. 3 calls ClientUpdate"),
         choice("group_init", "edc", ("edc", "madc", "rcc"),
                "group cold start: EDC + k-means++ (FlexCFL), MADC + complete linkage (FedGroup's alternative), or "
-               "m random clients as centers (RCC ablation)"),
+               "m random clients as centers (RCC ablation)", source="paper", note="Alg. 3, Eq. 7"),
         choice("cold_assign", "eq8", ("eq8", "random"),
                "cold clients join the group of Eq. 8 (least cosine dissimilarity to its initial direction) or a "
-               "random group (RAC ablation)"),
-        *shift_hypers(True),
-        real("eta_g", 0.0, "inter-group learning rate (0: independent groups)", "η_g", ge=0),
+               "random group (RAC ablation)", source="paper", note="Eq. 8"),
+        *sourced_each(shift_hypers(True), {
+            "migration": ("paper", "§3.4: clients migrate under distribution shift (false is FedGroup)"),
+            "shift_detector": ("code", "Client.check_distribution_shift: W1 of the label-count vectors"),
+            "tau_ratio": ("paper", "Eq. 9: τ_i = 0.2·n_i / LabelSize"),
+            "round_robin": ("code", "round-robin in id order for the first ⌈N/K⌉ rounds (§5.6)")}),
+        real("eta_g", 0.0, "inter-group learning rate (0: independent groups)", "η_g", ge=0, source="paper",
+             note="plain FlexCFL; FlexCFL-η_g uses 0.1 (Table III) and 5.0 (Table IV)"),
         choice("inter_group_mode", "normalized_avg", ("normalized_avg", "paper"),
-               "inter-group aggregation: the code's normalised convex combination or the paper's Eq. 20"),
-        integer("kmeans_max_iter", 20, "k-means iterations per run (the code)", ge=1),
+               "inter-group aggregation: the code's normalised convex combination or the paper's Eq. 20",
+               source="code", note="the paper's Eq. 20 is not scale-preserving (spec §2.6)"),
+        integer("kmeans_max_iter", 20, "k-means iterations per run (the code)", ge=1, source="code",
+                note="KMeans(m, max_iter=20)"),
     )
 
     # ------------------------------------------------------------------ state
@@ -238,13 +248,11 @@ class FlexCFL(GroupedClients):
         return state.algo["global"]
 
     def evaluate(self, state, ctx):
+        """Groups as the base; ``accuracy_global``/``loss_global``: every client with the global model."""
         out = super().evaluate(state, ctx)
         one = {k: v.unsqueeze(0) for k, v in state.algo["global"].items()}
-        loss, acc, n = own_cluster_metrics(ctx.model, one, np.zeros(len(ctx.seen), np.int64), ctx.data.test, ctx.seen,
-                                           ctx.data.task)
-        for key, v in summarise_clients(loss, acc, n, ctx.data.task).items():
-            if key in ("accuracy", "loss"):
-                out[f"{key}_global"] = v
+        cm = measure_shared(ctx, one, np.zeros(len(ctx.seen), np.int64), ctx.seen)
+        out.update(family(cm, protocol(ctx), ctx.data.task, "_global", keys=("accuracy_global", "loss_global")))
         return out
 
     def admit_newcomers(self, state, ctx, newcomers):

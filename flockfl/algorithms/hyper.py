@@ -11,6 +11,13 @@ The config checks ``algorithm.*`` against the chosen algorithm's declarations wh
 key and the allowed range, and a key the algorithm does not take is a one-line error that
 names the algorithms that do take it. ``flock list ALGORITHM`` and README's algorithm table
 are generated from the same declarations.
+
+Every default says where it comes from (``source``, with an optional short ``note``): a registry
+name is the method as published, so a reader of ``flock list ifca`` can tell the paper's
+defaults from the library's choices (:data:`SOURCES`). A knob that the data must set (PACFL's
+and FLIS's β) has ``source="data"`` and no default: the algorithm's ``check_config`` stops the
+run with one line naming the key and the published values (:func:`missing`), instead of
+quietly running another method.
 """
 
 from __future__ import annotations
@@ -20,9 +27,21 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 
+# where a default comes from (``Hyper.source``)
+SOURCES: dict[str, str] = {
+    "paper": "the method's publication (paper, or the seed that publishes it)",
+    "thesis": "the thesis that runs it (seed 001, Vahidian 2023: PACFL, FLIS and their baselines)",
+    "code": "the authors' official code (a script or its argparse default)",
+    "library": "flockfl's choice: the publication gives no value, or the key is a library option",
+    "data": "no default: the data must set it (the run stops with a one-line error until it is set)",
+}
+
+
 @dataclass(frozen=True)
 class Hyper:
-    """One hyper-parameter: name, default, meaning, the paper's symbol and its constraint."""
+    """One hyper-parameter: name, default, meaning, the paper's symbol, its constraint and the
+    source of its default (one of :data:`SOURCES`, "" where none is recorded; ``note`` says which
+    table, script or value)."""
 
     name: str
     default: Any
@@ -35,6 +54,14 @@ class Hyper:
     lt: Optional[float] = None
     choices: tuple = ()
     optional: bool = False  # None is allowed (the meaning says what None stands for)
+    source: str = ""
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source and self.source not in SOURCES:
+            raise ValueError(f"hyper-parameter {self.name}: source {self.source!r} is not one of {', '.join(SOURCES)}")
+        if self.source == "data" and self.default is not None:
+            raise ValueError(f"hyper-parameter {self.name}: a key the data must set has no default (got {self.default!r})")
 
     # ------------------------------------------------------------------ description
     def allowed(self) -> str:
@@ -60,7 +87,7 @@ class Hyper:
         where = f"algorithm.{self.name}"
         bad = f"{where}: {value!r} is not allowed for {algorithm}; allowed: {self.allowed()}"
         if value is None:
-            if self.optional:
+            if self.optional or self.source == "data":  # data: unset, the algorithm's check_config says what to set
                 return None
             raise ValueError(bad)
         if self.kind == "choice":
@@ -101,22 +128,42 @@ def integer(name: str, default: Any, meaning: str, symbol: str = "", **bounds: A
     return Hyper(name, default, meaning, symbol, "int", **bounds)
 
 
-def choice(name: str, default: Any, choices: tuple, meaning: str, symbol: str = "", optional: bool = False) -> Hyper:
-    return Hyper(name, default, meaning, symbol, "choice", choices=tuple(choices), optional=optional)
+def choice(name: str, default: Any, choices: tuple, meaning: str, symbol: str = "", optional: bool = False,
+           **origin: str) -> Hyper:
+    """``origin``: ``source`` and ``note`` (as every helper here takes them)."""
+    return Hyper(name, default, meaning, symbol, "choice", choices=tuple(choices), optional=optional, **origin)
 
 
-def text(name: str, meaning: str) -> Hyper:
-    return Hyper(name, None, meaning, "", "text", optional=True)
+def text(name: str, meaning: str, **origin: str) -> Hyper:
+    return Hyper(name, None, meaning, "", "text", optional=True, **origin)
 
 
-def weighting(default: str) -> Hyper:
+def weighting(default: str, **origin: str) -> Hyper:
     """How client results are weighted in the server mean (every algorithm takes it)."""
     return choice("weighting", default, ("samples", "uniform"), "weights of the client results in the server mean: "
-                  "samples (n_i) or uniform", "p_i")
+                  "samples (n_i) or uniform", "p_i", **origin)
 
 
 def with_default(h: Hyper, default: Any) -> Hyper:
     return replace(h, default=default)
+
+
+def sourced(h: Hyper, source: str, note: str = "") -> Hyper:
+    """``h`` with the source of its default recorded (for a declaration built elsewhere)."""
+    return replace(h, source=source, note=note)
+
+
+def sourced_each(hs: tuple[Hyper, ...], origin: dict[str, tuple[str, str]]) -> tuple[Hyper, ...]:
+    """Declarations shared by several algorithms (e.g. ``grouped.shift_hypers``), each with the
+    source of its default as one algorithm states it: ``origin[name] = (source, note)``."""
+    return tuple(sourced(h, *origin[h.name]) for h in hs)
+
+
+def missing(algorithm: str, h: Hyper, alternatives: str = "") -> ValueError:
+    """The one-line error for a key the data must set (``source="data"``) left unset: it names
+    the key, the published values (``h.note``) and what to set."""
+    return ValueError(f"algorithm.{h.name}: {algorithm} has no published default for {h.symbol or h.name}, it depends "
+                      f"on the data ({h.note}); set algorithm.{h.name} (allowed: {h.allowed()}){alternatives}")
 
 
 # ---------------------------------------------------------------------- resolution

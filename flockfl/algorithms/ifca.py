@@ -28,12 +28,17 @@ by construction. Every initialisation ties the shared parameters to one value: m
 
 Initialisation (``algorithm.init``):
 
-- ``random`` (default): k independent draws (Bernoulli(0.5)^d for the linear model, as in the synthetic
-  code; PyTorch's default init otherwise);
+- ``random`` (default, the paper's: "random initialisation with multiple restarts"; spec §2.1):
+  k independent draws (Bernoulli(0.5)^d for the linear model, as in the synthetic code;
+  PyTorch's default init otherwise). IFCA is sensitive to this start (a model may win no
+  client), as the paper and the FlexCFL paper say: that sensitivity is part of the method as
+  published, so the registry name keeps it;
 - ``given``: a torch file of k stacked models (``algorithm.init_path``);
 - ``balanced_restart``: redraw until every cluster wins ≥ ``min_cluster_frac`` of round 0's
   cohort, as in the rotated-CIFAR code;
-- ``pretrain_kmeans`` [lib, after FlexCFL's group cold start, flexcfl.md §2.2]:
+- ``pretrain_kmeans`` [lib, after FlexCFL's group cold start, flexcfl.md §2.2; named
+  "IFCA + k-means start" in tables, since it changes the method: a cohort uploads trained
+  models before round 0 and the server clusters them]:
   before round 0 (the ``pre_federation`` step: checkpointed, its bytes counted),
   ``pretrain_clients`` clients train one shared start θ_0 for ``pretrain_epochs`` epochs; the
   server runs k-means++ (``n_init=10``, seeded) on an embedding of their updates
@@ -83,24 +88,32 @@ class IFCA(Algorithm):
     name = "ifca"
     paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088"
     hyperparameters = (
-        weighting("uniform"),
-        integer("k", 2, "number of cluster models", "k", ge=1),
-        choice("option", "model", ("model", "gradient"), "II: average models per cluster (model); I: one gradient step (gradient)"),
-        choice("init", "pretrain_kmeans", ("random", "given", "balanced_restart", "pretrain_kmeans"),
-               "how the k models start: k-means on one pre-training pass from a shared start (pretrain_kmeans), "
-               "random draws, a file, or random redraws until balanced"),
-        text("init_path", "init=given: a torch file of k stacked models"),
-        real("min_cluster_frac", 0.1, "balanced_restart: each model must win this share of round 0's cohort", ge=0, lt=1),
-        integer("max_tries", 10, "balanced_restart: draws before giving up", ge=1),
+        weighting("uniform", source="paper", note="Alg. 2 option II: unweighted per-cluster mean, as the MNIST/CIFAR "
+                  "code; the FEMNIST code weights by n_i"),
+        integer("k", 2, "number of cluster models", "k", ge=1, source="thesis",
+                note="the thesis's IFCA rows use C = 2 (4 on MIX-4); the paper sets k to its data's distributions: "
+                     "2 on rotated CIFAR-10, 4 on rotated MNIST"),
+        choice("option", "model", ("model", "gradient"), "II: average models per cluster (model); I: one gradient step "
+               "(gradient)", source="paper", note="option II, as the paper's MNIST and CIFAR experiments"),
+        choice("init", "random", ("random", "given", "balanced_restart", "pretrain_kmeans"),
+               "how the k models start: random draws, a file, random redraws until balanced, or k-means on one "
+               "pre-training pass from a shared start (pretrain_kmeans: 'IFCA + k-means start', a library option)",
+               source="paper", note="random initialisation (Bernoulli(0.5)^d for the linear model, as the synthetic code)"),
+        text("init_path", "init=given: a torch file of k stacked models", source="library"),
+        real("min_cluster_frac", 0.1, "balanced_restart: each model must win this share of round 0's cohort", ge=0, lt=1,
+             source="code", note="rotated-CIFAR code: 0.1 for k = 4, 0.35 for k = 2"),
+        integer("max_tries", 10, "balanced_restart: draws before giving up", ge=1, source="library"),
         integer("pretrain_clients", None, "pretrain_kmeans: clients that pre-train (null: one cohort, at least 20·k, "
-                "at most all that federate)", ge=1, optional=True),
+                "at most all that federate)", ge=1, optional=True, source="library",
+                note="after FlexCFL's α·m pre-training clients, α = 20"),
         integer("pretrain_epochs", None, "pretrain_kmeans: local epochs of the pre-training pass (null: "
-                "train.local_epochs)", ge=1, optional=True),
+                "train.local_epochs)", ge=1, optional=True, source="library"),
         choice("pretrain_embedding", "layers", ("layers", "updates", "edc"), "pretrain_kmeans: k-means on the "
                "flattened updates, on each weight tensor's update scaled to unit norm (layers), or on FlexCFL's EDC "
-               "embedding of the updates"),
+               "embedding of the updates", source="library", note="benchmarks/ifca_init.py"),
         Hyper("shared", "none", "weight sharing: none, all_but_last, or comma-separated parameter-name prefixes "
-              "(averaged over all participants; the rest per cluster)", kind="text"),
+              "(averaged over all participants; the rest per cluster)", kind="text", source="paper",
+              note="Alg. 2 shares no weights; sharing is the paper's extension for ambiguous clusters"),
     )
 
     @classmethod

@@ -48,13 +48,16 @@ class IFCAOneShot(OneShotClustering):
     name = "ifca_oneshot"
     paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088 (Alg. 1)"
     hyperparameters = (
-        weighting("samples"),
-        integer("k", 2, "number of k-means clusters", "k", ge=1),
+        weighting("samples", source="paper", note="Alg. 1: FedAvg inside each cluster"),
+        integer("k", 2, "number of k-means clusters", "k", ge=1, source="paper",
+                note="FEMNIST (Table 2): k = 2 or 3; otherwise the data's number of distributions"),
         choice("erm", "auto", ("auto", "least_squares", "sgd"), "local ERM: closed-form least squares (linear model), "
-               "local SGD from θ_0, or auto (least squares for the linear model, else SGD)"),
-        integer("erm_epochs", 5, "erm=sgd: local epochs of the ERM pass", ge=1),
+               "local SGD from θ_0, or auto (least squares for the linear model, else SGD)", source="library",
+               note="the FEMNIST code fits scikit-learn's LogisticRegression; the model's own ERM works for every "
+                    "architecture"),
+        integer("erm_epochs", 5, "erm=sgd: local epochs of the ERM pass", ge=1, source="library"),
         choice("start", "cluster_mean", ("cluster_mean", "init"), "where cluster j's model starts: the mean of its "
-               "members' ERM solutions, or θ_0"),
+               "members' ERM solutions, or θ_0", source="library", note="Alg. 1 does not say where FedAvg starts"),
     )
 
     @classmethod

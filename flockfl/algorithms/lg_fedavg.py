@@ -18,7 +18,7 @@ the stale θ^g an unsampled client last saw (PACFL).
 
 from __future__ import annotations
 
-from flockfl.algorithms.hyper import weighting
+from flockfl.algorithms.hyper import sourced, weighting
 from flockfl.algorithms.personal import PartialSharing, partition_key
 
 
@@ -27,9 +27,14 @@ class LGFedAvg(PartialSharing):
     paper = ("Liang et al., Think Locally, Act Globally: Federated Learning with Local and Global Representations, "
              "arXiv 2001.01523")
     hyperparameters = (
-        weighting("samples"),
-        partition_key("global_layers", "top:2", "the global layers g, averaged by the server; the others are the local "
-                   "representation (default top:2: the PACFL thesis's LeNet-5 split, 3 local / 2 global)", "θ^g"),
+        weighting("samples", source="code", note="MMorafah/PACFL main_lg.py (the thesis's LG): n_i-weighted mean of "
+                                                 "the global keys; the official pliang279/LG-FedAvg takes the uniform "
+                                                 "mean"),
+        sourced(partition_key("global_layers", "top:2", "the global layers g, averaged by the server; the others are "
+                              "the local representation (default top:2: the PACFL thesis's LeNet-5 split, 3 local / "
+                              "2 global)", "θ^g"),
+                "thesis", "LeNet-5 with 3 local and 2 global layers, fc2 + fc3 (MMorafah/PACFL main_lg.py: the last 4 "
+                          "state_dict keys); the official MNIST code: top:3"),
     )
     layers_key = "global_layers"
     key_names_personal = False

@@ -8,15 +8,25 @@ vectors of its data matrix (``algorithm.signature``: ``per_class`` stacks the SV
 class's samples, as the official code; ``whole`` takes the SVD of all local data, as the
 thesis text). The server builds the proximity matrix (``algorithm.measure``):
 
+    code     A_ij = min_{a,b} arccos((U_iᵀ U_j)_ab)         min over all column pairs (official_min_pairwise)
     Eq. 3.1  A_ij = Θ_1(U_i, U_j)                      smallest principal angle (smallest_angle)
     Eq. 3.2  A_ij = tr(arccos(|U_iᵀ U_j|))              matched columns (trace)
 
-(or Σ_k Θ_k, ``sum_angles``; or the code's min over all column pairs, ``official_min_pairwise``),
-in degrees, and cuts an agglomerative clustering at the distance ``algorithm.beta`` (larger β:
-fewer clusters; β → ∞ is FedAvg, β → 0 is local training) or at ``algorithm.k`` clusters.
-With neither set, the dendrogram is cut at its largest gap between consecutive merge heights
-when the upper height is at least ``algorithm.gap_ratio`` times the lower one, else one
-cluster [I: a rule of ours, so that no threshold is tuned per dataset].
+(or Σ_k Θ_k, ``sum_angles``), in degrees, and cuts an agglomerative clustering at the distance
+``algorithm.beta`` (larger β: fewer clusters; β → ∞ is FedAvg, β → 0 is local training) or at
+``algorithm.k`` clusters.
+
+The defaults are one published configuration taken together, the official code's
+(MMorafah/PACFL ``main_pacfl.py``, ``scripts/pacfl.sh``): per-class signatures with p = 3, the
+min-pairwise measure, WPGMA linkage, cut at β. The thesis's own configuration is incomplete (it
+names no linkage and gives β only in plots, Figs. 3.13–3.14), so it cannot be the default; its
+signature and measures are options. β has no default: it is in degrees of the chosen measure on
+the given data, and the code's own scripts use 4.9 (CIFAR-10, 2 labels per client) and 42
+(MIX-4); left unset (and without ``k``), the config stops with one line naming
+``algorithm.beta``. ``algorithm.cut=largest_gap`` [I: a rule of ours, not PACFL's] cuts the
+dendrogram at its largest gap between consecutive merge heights when the upper height is at
+least ``algorithm.gap_ratio`` times the lower one, else keeps one cluster (which is FedAvg):
+"PACFL + largest-gap cut" in tables.
 
 ``measure=class_matched`` [I, not in the thesis or the code] compares the per-class subspaces
 of the same label: A_ij = mean over the labels either client holds of Θ_1(U_i^c, U_j^c) (90° for
@@ -39,7 +49,7 @@ import numpy as np
 import torch
 
 from flockfl import clustering
-from flockfl.algorithms.hyper import choice, integer, real
+from flockfl.algorithms.hyper import choice, declared, integer, missing, real, weighting
 from flockfl.algorithms.oneshot import OneShotClustering
 from flockfl.state import ServerState
 
@@ -57,28 +67,54 @@ class PACFL(OneShotClustering):
     name = "pacfl"
     paper = "Vahidian et al., Principal Angles analysis for Clustered FL, arXiv 2209.10526 (thesis §3.4)"
     hyperparameters = (
-        integer("p", 3, "left singular vectors per signature (per class with signature=per_class)", "p", ge=1),
+        weighting("samples", source="thesis", note="Alg. 7: the |D_k|-weighted mean of each cluster"),
+        integer("p", 3, "left singular vectors per signature (per class with signature=per_class)", "p", ge=1,
+                source="code", note="scripts/pacfl.sh --n_basis=3 (argparse default 5); the thesis's Tables 3.8-3.9 "
+                                    "use p = 3 too"),
         choice("signature", "per_class", ("per_class", "whole"), "SVD of each class's samples, stacked (code), "
-               "or of all local data (thesis text)"),
-        choice("measure", "smallest_angle", ("smallest_angle", "trace", "sum_angles", "official_min_pairwise",
-                                             "class_matched"),
-               "proximity: Eq. 3.1 smallest principal angle, Eq. 3.2 matched-column trace, Σ of all principal "
-               "angles, the code's min pairwise angle, or Eq. 3.1 per shared label (class_matched; degrees)"),
-        real("beta", None, "clustering threshold in degrees: larger gives fewer clusters (null: the largest-gap "
-             "rule; ignored when k is set)", "β", gt=0, optional=True),
-        real("gap_ratio", 2.0, "largest-gap rule (beta and k null): cut only where the next merge is this many "
-             "times higher", gt=1),
-        integer("k", None, "a fixed number of clusters instead of the threshold β", "Z", ge=1, optional=True),
+               "or of all local data (thesis text)", source="code",
+               note="main_pacfl.py: the SVD of each label's raw samples, stacked"),
+        choice("measure", "official_min_pairwise", ("official_min_pairwise", "smallest_angle", "trace", "sum_angles",
+                                                    "class_matched"),
+               "proximity: the code's min pairwise angle, Eq. 3.1 smallest principal angle, Eq. 3.2 matched-column "
+               "trace, Σ of all principal angles, or Eq. 3.1 per shared label (class_matched; degrees)", source="code",
+               note="calculating_adjacency: min over all column pairs of arccos(U_iᵀU_j), in degrees"),
+        choice("cut", "beta", ("beta", "largest_gap"), "where the dendrogram is cut: at the distance β (or at k "
+               "clusters when k is set), or at its largest gap (largest_gap, a library rule: one cluster = FedAvg "
+               "when no gap is clear)", source="code", note="hierarchical_clustering stops once the closest pair is "
+                                                            "farther than β"),
+        real("beta", None, "clustering threshold in degrees of the measure: larger gives fewer clusters (not used "
+             "when k is set or cut=largest_gap)", "β", gt=0, source="data",
+             note="the official code: 4.9 on CIFAR-10 with 2 labels per client and p = 3 (scripts/pacfl.sh), 42 on "
+                  "MIX-4, argparse default 3.5; the thesis sweeps it per dataset, Figs. 3.13-3.14"),
+        real("gap_ratio", 2.0, "cut=largest_gap: cut only where the next merge is this many times higher", gt=1,
+             source="library"),
+        integer("k", None, "a fixed number of clusters instead of the threshold β", "Z", ge=1, optional=True,
+                source="library", note="the thesis's Table 3.20 reports 2 clusters for FMNIST and 4 for MIX-4"),
         choice("linkage", "weighted", ("weighted", "average", "complete", "single"),
-               "hierarchical linkage; weighted = the code's 'average' (WPGMA)"),
+               "hierarchical linkage; weighted = the code's 'average' (WPGMA)", source="code",
+               note="--linkage=average: merged rows are the mean of the two (WPGMA)"),
         choice("newcomer_mode", "stable", ("stable", "recluster"), "how newcomers join (PME): attach to the "
-               "nearest cluster within β, or re-cluster and keep old ids by overlap"),
+               "nearest cluster within β, or re-cluster and keep old ids by overlap", source="library",
+               note="Alg. 8 re-clusters, which can relabel old clusters (spec §2.5)"),
     )
 
-    def threshold(self, dist: np.ndarray) -> float:
-        """β, or the largest-gap cut when β is null (inf: one cluster)."""
+    @classmethod
+    def check_config(cls, cfg):
+        """β has no published default (it depends on the data and the measure): without β, k or
+        cut=largest_gap the run would have no threshold, so the config stops here."""
+        a = cfg.algorithm
+        if a.cut == "largest_gap" and (a.beta is not None or a.k is not None):
+            raise ValueError(f"algorithm.cut: largest_gap picks the cut itself, so it takes neither algorithm.beta nor "
+                             f"algorithm.k (given beta={a.beta}, k={a.k}); drop them or set algorithm.cut=beta")
+        if a.cut == "beta" and a.beta is None and a.k is None:
+            raise missing(cls.name, declared(cls)["beta"], ", or algorithm.k (a number of clusters), or "
+                                                          "algorithm.cut=largest_gap")
+
+    def threshold(self, dist: np.ndarray) -> float | None:
+        """β, or the largest-gap cut (inf: one cluster); None when k is set and β is not."""
         a = self.cfg.algorithm
-        return a.beta if a.beta is not None else largest_gap_threshold(dist, a.linkage, a.gap_ratio)
+        return largest_gap_threshold(dist, a.linkage, a.gap_ratio) if a.cut == "largest_gap" else a.beta
 
     def cut(self, dist: np.ndarray, threshold: float | None = None) -> np.ndarray:
         a = self.cfg.algorithm

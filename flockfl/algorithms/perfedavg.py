@@ -74,15 +74,20 @@ class PerFedAvg(PersonalModels):
     paper = ("Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: A "
              "Model-Agnostic Meta-Learning Approach, NeurIPS 2020, arXiv 2002.07948")
     hyperparameters = (
-        weighting("uniform"),
-        choice("variant", "fo", ("fo", "hf"), "meta-gradient: fo (first order, the default of every code) or hf "
-               "(Hessian-free finite difference, the paper)"),
+        weighting("uniform", source="paper", note="w_{k+1} = (1/|A_k|) Σ_{A_k} w^i_{k+1,τ}"),
+        choice("variant", "fo", ("fo", "hf"), "meta-gradient: fo (first order: the paper's Per-FedAvg (FO), the "
+               "default of every code) or hf (the paper's Hessian-free finite difference)", source="code",
+               note="MMorafah/PACFL client_per_fedavg.py (the thesis's), KarhouTam/FL-bench version=fo, "
+                    "TsingZ0/PFLlib; the paper has both"),
         real("alpha", 0.01, "adaptation step size, also of the evaluation's adaptation (default 1e-2: the PACFL "
-             "thesis; FL-bench 1e-2)", "α", ge=0),
-        real("beta", 0.001, "meta step size (default 1e-3: the PACFL thesis and FL-bench)", "β", ge=0),
-        real("delta", 0.001, "finite-difference width of the HF variant (default 1e-3: FL-bench)", "δ", gt=0),
+             "thesis; FL-bench 1e-2)", "α", ge=0, source="thesis", note="the thesis's Per-FedAvg: α = 1e-2"),
+        real("beta", 0.001, "meta step size (default 1e-3: the PACFL thesis and FL-bench)", "β", ge=0, source="thesis",
+             note="the thesis's Per-FedAvg: β = 1e-3 (FL-bench 1e-3)"),
+        real("delta", 0.001, "finite-difference width of the HF variant (default 1e-3: FL-bench)", "δ", gt=0,
+             source="code", note="KarhouTam/FL-bench perfedavg.py: δ = 1e-3 (the paper's δ: not verified)"),
         integer("adapt_steps", 1, "SGD steps at lr α on the client's training data before evaluation (default 1: "
-                "the paper; 0 = the global model)", "", ge=0),
+                "the paper; 0 = the global model)", "", ge=0, source="paper",
+                note="evaluation after one stochastic-gradient step at α on the client's data"),
     )
     keeps_rows = False  # the personal model is w adapted at evaluation, never stored
 

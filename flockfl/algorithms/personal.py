@@ -37,13 +37,13 @@ from flockfl.aggregation import broadcast, weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper
 from flockfl.client import run_engine
-from flockfl.clientstate import ClientTable, chunks, joined
+from flockfl.clientstate import ClientTable, chunks
 from flockfl.engine import TRAINERS
 from flockfl.engine.schedule import LocalSpec, restrict
 from flockfl.engine.trainers import TrainResult
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.trainers import stat_names
-from flockfl.evaluation import own_model_metrics, summarise_clients
+from flockfl.evaluation import ClientMetrics, client_results, family, measure_own, measure_shared, protocol
 from models import WeightedBatchNorm2d, build_model
 
 WEIGHTED = (nn.modules.conv._ConvNd, nn.Linear)
@@ -185,26 +185,21 @@ class PartialSharing(Algorithm):
         return len(clients) * per, len(clients) * per
 
     # ------------------------------------------------------------------ evaluation
-    def chunk_metrics(self, state, ctx, clients: np.ndarray, assign: np.ndarray) -> dict[str, tuple]:
-        """Per-client (loss, accuracy, count) of one chunk, per metric suffix ('' = the personal model)."""
-        return {"": own_model_metrics(ctx.model, self.own_models(state, ctx, clients, assign), ctx.data.test, clients,
-                                      ctx.data.task)}
+    def chunk_metrics(self, state, ctx, clients: np.ndarray, assign: np.ndarray) -> dict[str, ClientMetrics]:
+        """Per-client metrics of one chunk, per family suffix ('' = the personal model)."""
+        return {"": measure_own(ctx, self.own_models(state, ctx, clients, assign), clients)}
 
     def evaluate(self, state, ctx) -> dict[str, Any]:
         clients, task = ctx.seen, ctx.data.task
         assign = self.eval_assignment(state, ctx)
         parts = [self.chunk_metrics(state, ctx, part, assign[part]) for part in chunks(clients, self.cfg.train.eval_chunk)]
-        per = {s: joined([p[s] for p in parts]) for s in parts[0]}
-        c_loss, c_acc, n = per[""]
-        out: dict[str, Any] = summarise_clients(c_loss, c_acc, n, task)
-        out.update(summarise_clients(c_loss, c_acc, n, task, "_personal"))
-        for s, (loss, acc, cnt) in per.items():
+        per = {s: ClientMetrics.join(p[s] for p in parts) for s in parts[0]}
+        out = client_results(ctx, per[""], assign, lambda t: self.cluster_metrics(state, ctx, clients, assign[clients], *t))
+        proto = protocol(ctx)
+        out.update(family(per[""], proto, task, "_personal"))
+        for s, cm in per.items():
             if s:
-                out.update(summarise_clients(loss, acc, cnt, task, s))
-        out.update(self.cluster_metrics(state, ctx, clients, assign[clients], c_loss, c_acc, n))
-        out["_client_accuracy"] = c_acc if task == "classification" else None
-        out["_client_loss"] = c_loss
-        out["_assignment"] = assign
+                out.update(family(cm, proto, task, s))
         return out
 
     def admit_newcomers(self, state, ctx, newcomers):
@@ -290,6 +285,6 @@ class PersonalModels(PartialSharing):
         return Algorithm.comm_bytes(self, state, clients)
 
     def chunk_metrics(self, state, ctx, clients, assign):
-        test, task = ctx.data.test, ctx.data.task
-        return {"": own_model_metrics(ctx.model, self.own_models(state, ctx, clients, assign), test, clients, task),
-                "_global": own_model_metrics(ctx.model, broadcast(state.models, len(clients)), test, clients, task)}
+        """The personal models, and (``_global``) the global model: one pass for every client."""
+        return {"": measure_own(ctx, self.own_models(state, ctx, clients, assign), clients),
+                "_global": measure_shared(ctx, state.models, np.zeros(len(clients), np.int64), clients)}

@@ -70,14 +70,17 @@ class PFedMe(PersonalModels):
     name = "pfedme"
     paper = "Dinh, Tran, Nguyen, Personalized Federated Learning with Moreau Envelopes, NeurIPS 2020, arXiv 2006.08848"
     hyperparameters = (
-        weighting("samples"),
+        weighting("samples", source="code", note="CharlieDinh/pFedMe: the sampled clients' w_{i,R} weighted "
+                                                 "n_i/Σ_S n"),
         real("lam", 15.0, "Moreau-envelope regularisation pulling θ towards w (default 15: the official MNIST "
-             "comparison)", "λ", gt=0),
+             "comparison)", "λ", gt=0, source="code", note="CharlieDinh/pFedMe README, MNIST comparison: λ = 15"),
         integer("inner_steps", 5, "GD steps of the inner personal solve, on one batch (default 5: the official code)",
-                "K", ge=1),
-        real("personal_lr", 0.09, "step size of the inner solve (default 0.09: the official MNIST DNN run)", "η_p", gt=0),
+                "K", ge=1, source="code", note="CharlieDinh/pFedMe README, main.py: K = 5"),
+        real("personal_lr", 0.09, "step size of the inner solve (default 0.09: the official MNIST DNN run)", "η_p",
+             gt=0, source="code", note="CharlieDinh/pFedMe README, MNIST comparison: η_p = 0.09 for the DNN (0.1 for MLR)"),
         real("beta", 1.0, "server mixing w ← (1−β)w + β·mean w_i (default 1: the official MNIST comparison; "
-             "0 freezes w, > 1 accelerates)", "β", ge=0),
+             "0 freezes w, > 1 accelerates)", "β", ge=0, source="code",
+             note="CharlieDinh/pFedMe README, MNIST comparison: β = 1 (PFLlib's -bt defaults to 0)"),
     )
     def local_spec(self, state, ctx, clients, round):
         spec = Algorithm.local_spec(self, state, ctx, clients, round)

@@ -3,6 +3,13 @@
 Samples are stored back to back (``x[offsets[i]:offsets[i+1]]`` is client i), so unequal
 client sizes cost no padding. The cohort trainer gathers batches by global index. The server's
 own held-out training samples (``partition.server_holdout``), if any, are ``ClientData.server``.
+
+Two test sets per client (``eval.test_set``): the partition's own split (``ClientData.test``, a
+disjoint slice in the client's training class proportions) and the label union (every test
+sample of every label the client holds, as the PACFL, FLIS and Sub-FedAvg code). The label
+unions overlap, so they are never copied per client: ``ClientData.pool`` holds the test set once
+per distinct rotation, sorted by class (:class:`~flockfl.engine.evaluate.TestPool`), and the
+evaluation picks each client's classes out of it.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import torch
 
 from flockfl.data.datasets import Dataset
 from flockfl.engine.data import ClientData, Split
+from flockfl.engine.evaluate import TestPool, sorted_by_class
 from flockfl.data.partition import Partition
 
 
@@ -55,10 +63,26 @@ def server_split(ds: Dataset, p: Partition) -> Optional[Split]:
                  np.array([0, len(idx)], np.int64))
 
 
+def test_pool(ds: Dataset, p: Partition) -> Optional[TestPool]:
+    """The whole test set once per distinct client rotation (a view), sorted by class, with each
+    client's view and label map, and where each row of the partition's test split lies in it;
+    None for regression (no labels to hold)."""
+    if ds.task != "classification":
+        return None
+    order, offsets, place = sorted_by_class(ds.y_test, ds.num_classes)
+    base = torch.from_numpy(np.ascontiguousarray(ds.x_test[order]))
+    angles, view = np.unique(np.asarray(p.angle, np.float64), return_inverse=True)
+    views = [base if a == 0 else rotate_images(base, float(a)) for a in angles]
+    x = views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
+    position = np.concatenate([place[np.asarray(ii, np.int64)] for ii in p.test_idx] or [np.zeros(0, np.int64)])
+    perm = None if p.label_perm is None else np.asarray(p.label_perm, np.int64)
+    return TestPool(x, offsets, view.astype(np.int64), perm, position.astype(np.int64))
+
+
 def build_client_data(ds: Dataset, p: Partition) -> ClientData:
     return ClientData(
         _materialise(ds.x_train, ds.y_train, p.train_idx, p),
         _materialise(ds.x_test, ds.y_test, p.test_idx, p),
         np.asarray(p.group, np.int64), ds.task, ds.num_classes, ds.input_shape,
-        server_split(ds, p),
+        server_split(ds, p), test_pool(ds, p),
     )

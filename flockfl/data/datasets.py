@@ -7,10 +7,15 @@
 - ``synthetic_linreg``: IFCA's mixture of linear regressions (spec §4.1);
 - ``synthetic_fedprox``: FedProx's Synthetic(α, β), one natural client per device (flexcfl.md §7);
 - ``mix``: several of the above side by side, each with its own 10 labels (MIX-4, thesis §3.4.2).
+
+``dataset.normalize=per_channel`` standardises the images of any of them as they are loaded
+(:func:`standardise_channels`); ``partition.test_split=local`` pools the train and test sets into
+one (:func:`merge_splits`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import hashlib
 from dataclasses import dataclass, field
@@ -329,4 +334,52 @@ LOADERS: dict[str, Callable[[DatasetConfig, int, Optional[int]], Dataset]] = {
 
 
 def load_dataset(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Dataset:
-    return LOADERS[cfg.name](cfg, seed, num_clients)
+    ds = LOADERS[cfg.name](cfg, seed, num_clients)
+    return standardise_channels(ds, cfg) if cfg.normalize == "per_channel" else ds
+
+
+def standardise_channels(ds: Dataset, cfg: DatasetConfig) -> Dataset:
+    """``dataset.normalize=per_channel``: x ← (x − mean_c)/std_c on the train and test images,
+    channel by channel, before any partition or client sees them (torchvision's ``Normalize``
+    once, for the whole run). The statistics are ``normalize_mean`` / ``normalize_std`` when
+    given, else the training images' own (float64 mean and population std; a constant channel
+    keeps std 1); they are kept in ``meta['normalize']``."""
+    if ds.x_train.ndim != 4:
+        raise ConfigError(f"dataset.normalize: per_channel standardises image channels; {ds.name} samples have shape "
+                          f"{ds.input_shape}; use dataset.normalize=none")
+    channels = ds.x_train.shape[1]
+    if cfg.normalize_mean is not None:
+        if len(cfg.normalize_mean) != channels:
+            raise ConfigError(f"dataset.normalize_mean: {len(cfg.normalize_mean)} values for {channels}-channel images; "
+                              f"give {channels} values (and as many in normalize_std)")
+        mean, std = np.asarray(cfg.normalize_mean, np.float64), np.asarray(cfg.normalize_std, np.float64)
+    else:
+        mean = ds.x_train.mean(axis=(0, 2, 3), dtype=np.float64)
+        std = ds.x_train.std(axis=(0, 2, 3), dtype=np.float64)
+        std = np.where(std > 0, std, 1.0)
+    m32, s32 = mean.astype(np.float32).reshape(1, -1, 1, 1), std.astype(np.float32).reshape(1, -1, 1, 1)
+    scale = lambda x: ((x - m32) / s32).astype(np.float32)  # noqa: E731
+    return dataclasses.replace(ds, x_train=scale(ds.x_train), x_test=scale(ds.x_test),
+                               meta={**ds.meta, "normalize": {"mean": mean.tolist(), "std": std.tolist()}})
+
+
+def merge_splits(ds: Dataset) -> Dataset:
+    """``partition.test_split=local`` (PFLlib): the train and test sets pooled, the train samples
+    first, so that a partition deals the union over the clients and splits each client's own
+    samples. ``x_train`` and ``x_test`` (and the labels, natural client ids and mix sources) are
+    then one and the same array, so a partition's train and test indices both point into it.
+
+    In place, and once (``meta['merged_splits']`` records the sizes it pooled): the run builds its
+    partition and its client data from the same loaded object (``flockfl.rounds.prepare``)."""
+    if "merged_splits" in ds.meta:
+        return ds
+    cat = lambda a, b: None if a is None else np.concatenate([a, b])  # noqa: E731
+    n_train, n_test = len(ds.y_train), len(ds.y_test)
+    ds.x_train = ds.x_test = cat(ds.x_train, ds.x_test)
+    ds.y_train = ds.y_test = cat(ds.y_train, ds.y_test)
+    if ds.client_train is not None:
+        ds.client_train = ds.client_test = cat(ds.client_train, ds.client_test)
+    if ds.source_train is not None:
+        ds.source_train = ds.source_test = cat(ds.source_train, ds.source_test)
+    ds.meta = {**ds.meta, "merged_splits": {"train": n_train, "test": n_test}}
+    return ds

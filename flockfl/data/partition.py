@@ -6,10 +6,16 @@ test split follows its train distribution: a label-skewed client gets a test set
 same class proportions. Partitions are deterministic given their config and seed, saved as
 ``data/partitions/<name>.npz`` plus a JSON summary, and addressed by content hash.
 
-Schemes: ``iid``, ``dirichlet`` (C-Dir(α)), ``shards`` (McMahan's pathological shards),
-``shards_pct`` (C-NIID(ρ%), NIID-Bench's "noniid-#label"), ``rotated``, ``label_swap``,
+Schemes: ``iid``, ``dirichlet`` (C-Dir(α), NIID-Bench's "noniid-labeldir"), ``shards``
+(McMahan's pathological shards, or Sub-FedAvg's with ``shard_size``), ``shards_pct``
+(C-NIID(ρ%), NIID-Bench's "noniid-#label": #C=k is ρ = 100·k/C), ``pfllib_pat`` (PFLlib's
+pathological split), ``rotated`` (IFCA's protocol, or disjoint groups), ``label_swap``,
 ``natural``, ``sc_niid`` / ``sc_dir`` (super-cluster partitions, thesis §5.2, spec
 ``flis-pacfl-scniid.md`` §3.1–3.3) and ``mix`` (one source per client, MIX-4, §3.5).
+
+With ``partition.test_split=local`` (PFLlib) the test split is not the scheme's: the dataset's
+train and test sets are pooled first (:func:`~flockfl.data.datasets.merge_splits`), the scheme
+deals the pool, and :func:`split_local` then splits each client's own samples.
 
 Here: :class:`Partition`, the shared splitting helpers and the plain schemes; the
 super-cluster and mix schemes are in :mod:`flockfl.data.superclusters`, the registry, the
@@ -176,27 +182,66 @@ def _split_among_owners(y: np.ndarray, owned: list[np.ndarray], classes: np.ndar
 
 
 def _dirichlet_split(y: np.ndarray, classes: np.ndarray, n: int, alpha: float, rng: np.random.Generator,
-                     min_size: int, max_tries: int) -> Optional[list[np.ndarray]]:
-    """Per class c: q_c ~ Dir(α·1_n), and class c's samples are split among the n clients by q_c;
-    redrawn until every client has ``min_size`` samples (None after ``max_tries`` draws)."""
+                     min_size: int, max_tries: int, balance: bool = False) -> Optional[list[np.ndarray]]:
+    """Per class c (in order): its samples shuffled, q_c ~ Dir(α·1_n), and the samples cut among
+    the n clients by q_c; the whole split redrawn until every client has ``min_size`` samples
+    (None after ``max_tries`` draws). ``balance`` is NIID-Bench's rule: before class c is cut,
+    q_{c,j} is zeroed for every client j already holding N/n samples or more (N: the samples of
+    ``classes``) and q_c renormalised, so no client grows far past an equal share."""
+    total = int(np.isin(y, classes).sum())
     for _ in range(max_tries):
         parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+        held = np.zeros(n, np.int64)
         for c in classes:
             idx = rng.permutation(np.flatnonzero(y == c))
             q = rng.dirichlet(np.full(n, alpha))
+            open_ = held < total / n
+            if balance and open_.any():  # (none open only once every sample is dealt: an empty class)
+                q = q * open_
+                q = q / q.sum()
             cuts = (np.cumsum(q)[:-1] * len(idx)).astype(int)
             for i, p in enumerate(np.split(idx, cuts)):
                 parts[i].append(p)
+                held[i] += len(p)
         train = [np.sort(np.concatenate(p)) for p in parts]
         if min(len(t) for t in train) >= min_size:
             return train
     return None
 
 
-def _shard_deal(y: np.ndarray, idx: np.ndarray, n: int, s: int, rng: np.random.Generator) -> list[np.ndarray]:
+# NIID-Bench redraws until the minimum size holds, without limit; flockfl stops with a one-line error after
+# this many draws (Fashion-MNIST, 100 clients, Dir(0.05): ~4,000 draws of ~3 ms; 20,000 take about a minute)
+MAX_DIRICHLET_DRAWS = 20_000
+
+
+def dirichlet_split(y: np.ndarray, classes: np.ndarray, n: int, cfg: PartitionConfig, rng: np.random.Generator,
+                    where: str = "", max_tries: int = MAX_DIRICHLET_DRAWS) -> list[np.ndarray]:
+    """``classes``' samples split among n clients by the configured Dirichlet rule
+    (``partition.dirichlet_rule``: NIID-Bench's balancing or none) and minimum size
+    (``partition.min_size``; when unset, the rule's own, lowered to what the data allows);
+    a one-line ConfigError when the minimum exceeds an equal share, or when no draw of
+    ``max_tries`` reaches it (``where`` names the part of the data, e.g. a super cluster)."""
+    available = int(np.isin(y, classes).sum()) // n
+    if cfg.min_size is not None and cfg.min_size > available:
+        raise ConfigError(f"partition.min_size: {cfg.min_size} samples for each of {n} clients, but an equal share{where} "
+                          f"is {available}; set min_size to at most {available} or lower num_clients")
+    min_size = cfg.resolved_min_size() if cfg.min_size is not None else min(cfg.resolved_min_size(), available)
+    train = _dirichlet_split(y, classes, n, cfg.alpha, rng, min_size, max_tries, balance=cfg.dirichlet_rule == "niid_bench")
+    if train is None:
+        raise ConfigError(f"partition.alpha: Dirichlet({cfg.alpha}) ({cfg.dirichlet_rule} rule) left a client{where} with "
+                          f"under {min_size} samples after {max_tries} draws; lower partition.min_size, raise alpha or "
+                          "lower num_clients")
+    return train
+
+
+def _shard_deal(y: np.ndarray, idx: np.ndarray, n: int, s: int, rng: np.random.Generator,
+                shard_size: Optional[int] = None) -> list[np.ndarray]:
     """Sort ``idx`` by label (a random order within a label), cut it into n·s shards and deal s
-    random shards to each of n clients (McMahan et al.)."""
+    random shards to each of n clients (McMahan et al.). With ``shard_size`` (Sub-FedAvg's 250),
+    the shards are cut from a random n·s·shard_size of the samples, each exactly that size."""
     order = rng.permutation(idx)
+    if shard_size is not None:
+        order = order[: n * s * shard_size]
     order = order[np.argsort(y[order], kind="stable")]
     shards = np.array_split(order, n * s)
     deal = rng.permutation(n * s).reshape(n, s)
@@ -232,34 +277,39 @@ def _split_sizes(perm: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:
     return [np.sort(part) for part in np.split(perm, np.cumsum(sizes)[:-1])]
 
 
-def partition_dirichlet(ds: Dataset, cfg: PartitionConfig, seed: int, min_size: int = 2, max_tries: int = 1000) -> Partition:
-    """C-Dir(α): per class c, q_c ~ Dir(α·1_N), and class c's samples are split among clients by q_c."""
+def partition_dirichlet(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
+    """C-Dir(α): per class c, q_c ~ Dir(α·1_N), and class c's samples are split among clients by
+    q_c, by NIID-Bench's rule (balancing, at least 10 samples per client) or flockfl's earlier
+    one (``partition.dirichlet_rule``; see :func:`dirichlet_split`)."""
     n = resolved_num_clients(cfg)
     _check_sizes(len(ds.y_train), n)
-    min_size = min(min_size, len(ds.y_train) // n)
     rng = np_rng(seed, purpose="partition")
-    train = _dirichlet_split(ds.y_train, np.arange(ds.num_classes), n, cfg.alpha, rng, min_size, max_tries)
-    if train is None:
-        raise ConfigError(
-            f"partition.alpha: Dirichlet({cfg.alpha}) left a client with under {min_size} samples after {max_tries} draws; "
-            "raise alpha or lower num_clients"
-        )
+    train = dirichlet_split(ds.y_train, np.arange(ds.num_classes), n, cfg, rng)
     hist = label_histogram(ds.y_train, train, ds.num_classes)
     test = split_test_like_train(ds.y_test, hist, rng)
     return Partition(train, test, -np.ones(n, np.int64), np.zeros(n), None, {})
 
 
+def check_shards(n: int, s: int, shard_size: Optional[int], available: int, where: str) -> None:
+    """A one-line ConfigError when n clients × s shards (of ``shard_size`` samples, or at least 1)
+    need more than the ``available`` training samples (``where``: e.g. " of super cluster 1")."""
+    if shard_size is None and n * s > available:
+        raise ConfigError(f"partition.classes_per_client: {n}×{s}={n * s} shards but only {available} training "
+                          f"samples{where}; lower num_clients or classes_per_client")
+    if shard_size is not None and n * s * shard_size > available:
+        raise ConfigError(f"partition.shard_size: {n}×{s} shards of {shard_size} need {n * s * shard_size} samples but "
+                          f"only {available} training samples{where}; lower shard_size, num_clients or classes_per_client")
+
+
 def partition_shards(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
     """Pathological label skew (McMahan et al.): sort by label, cut into shards, deal
-    ``classes_per_client`` shards to every client."""
+    ``classes_per_client`` shards to every client; the shards are the data cut in n·s (300
+    samples each on MNIST with 100 clients × 2: McMahan's), or ``shard_size`` samples each
+    (Sub-FedAvg's 250)."""
     n, s = resolved_num_clients(cfg), cfg.classes_per_client
-    if n * s > len(ds.y_train):
-        raise ConfigError(
-            f"partition.classes_per_client: {n}×{s}={n * s} shards but only {len(ds.y_train)} training samples; "
-            "lower num_clients or classes_per_client"
-        )
+    check_shards(n, s, cfg.shard_size, len(ds.y_train), "")
     rng = np_rng(seed, purpose="partition")
-    train = _shard_deal(ds.y_train, np.arange(len(ds.y_train)), n, s, rng)
+    train = _shard_deal(ds.y_train, np.arange(len(ds.y_train)), n, s, rng, cfg.shard_size)
     hist = label_histogram(ds.y_train, train, ds.num_classes)
     test = split_test_like_train(ds.y_test, hist, rng)
     return Partition(train, test, -np.ones(n, np.int64), np.zeros(n), None, {})
@@ -284,14 +334,102 @@ def partition_shards_pct(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partit
     return Partition(train, test, -np.ones(n, np.int64), np.zeros(n), None, {}, info={"labels_per_client": k})
 
 
+def partition_pfllib_pat(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
+    """PFLlib's pathological split (``separate_data(partition="pat", balance=False)``, its
+    leaderboard's; spec ``personalised-baselines.md`` §12.2). Classes in order: class c goes to
+    the first ⌈n/C·s⌉ clients, by id, that still hold fewer than s = ``classes_per_client``
+    classes; its samples, in dataset order, are cut into sizes drawn uniformly from
+    [max(⌊m/10⌋, 1), ⌊m⌋) for all of them but the last, which takes the rest (m: the class's
+    samples per chosen client). With 20 clients, 10 classes and s = 2, clients 4g…4g+3 all hold
+    classes 2g and 2g+1: the groups' label sets are disjoint, the sizes unequal. (PFLlib's lower
+    bound also has least_samples/C, a few samples, below m/10 on its datasets.)"""
+    _need_classes(ds, "pfllib_pat")
+    n, s, num_classes = resolved_num_clients(cfg), cfg.classes_per_client, ds.num_classes
+    rng = np_rng(seed, purpose="partition")
+    left = np.full(n, s)
+    parts: list[list[np.ndarray]] = [[] for _ in range(n)]
+    for c in range(num_classes):
+        chosen = np.flatnonzero(left > 0)[: int(np.ceil(n / num_classes * s))]
+        if len(chosen) == 0:  # every client holds s classes: the remaining classes go unused
+            break
+        idx = np.flatnonzero(ds.y_train == c)
+        if len(idx) < len(chosen):
+            raise ConfigError(f"partition.num_clients: class {c} has {len(idx)} samples for {len(chosen)} clients; "
+                              "lower num_clients or classes_per_client")
+        per = len(idx) / len(chosen)
+        low = max(int(per / 10), 1)
+        sizes = rng.integers(low, max(int(per), low + 1), size=len(chosen) - 1)
+        for i, chunk in zip(chosen, np.split(idx, np.cumsum(sizes))):
+            parts[i].append(chunk)
+        left[chosen] -= 1
+    # every client is filled (C·⌈n/C·s⌉ ≥ n·s places, each chunk ≥ 1 sample), so none is left empty
+    train = [np.sort(np.concatenate(p)).astype(np.int64) for p in parts]
+    hist = label_histogram(ds.y_train, train, num_classes)
+    test = split_test_like_train(ds.y_test, hist, rng)
+    return Partition(train, test, -np.ones(n, np.int64), np.zeros(n), None, {})
+
+
+def split_local(own: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``partition.test_split=local``: each client's own samples split at random into train and
+    test, as PFLlib's ``train_test_split(train_size=1 − f, shuffle=True)`` (not stratified):
+    client i's n_i samples in a random order from the (seed, i, "partition/local_test") stream,
+    the first n_i − ⌊(1 − f)·n_i⌋ its test set, the rest its training set (both sorted); a client
+    left with an empty side is a one-line ConfigError."""
+    train, test = [], []
+    for i, idx in enumerate(own):
+        perm = np_rng(seed, client=i, purpose="partition/local_test").permutation(np.asarray(idx, np.int64))
+        n_test = len(perm) - int(np.floor((1.0 - fraction) * len(perm)))
+        if n_test == 0 or n_test == len(perm):
+            raise ConfigError(f"partition.local_test_fraction: client {i} has {len(perm)} sample(s), too few to split "
+                              f"{fraction:g} of them into a test set and keep the rest for training; use fewer clients")
+        test.append(np.sort(perm[:n_test]))
+        train.append(np.sort(perm[n_test:]))
+    return train, test
+
+
 def partition_rotated(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
-    """k groups of clients; group j sees its images rotated by 360/k·j degrees (IFCA §4.2)."""
+    """k groups of clients (contiguous blocks); group j sees its images rotated by 360/k·j
+    degrees (IFCA §4.2: 0°/90°/180°/270° for k = 4, 0°/180° for k = 2).
+
+    ``rotated_mode=ifca`` (IFCA's code, spec ``core-and-clustered-algorithms.md`` §4.2): every
+    group gets the *whole* training set, in a fresh permutation per group, as its m_j clients ×
+    n samples (n = ``samples_per_client``, or all of it: ⌊N/m_j⌋), so every image is seen
+    rotated by every group; with ``client_sizes=uneven`` DIFCA's sizes inside each group. Each
+    group's clients share the whole test set in contiguous chunks. ``disjoint``: one IID split
+    of the data over all clients (the rule before), so the groups' images differ."""
     if ds.x_train.ndim != 4:
         raise ConfigError(f"partition.scheme: 'rotated' needs image data; {ds.name} samples have shape {ds.input_shape}")
-    p = partition_iid(ds, cfg, seed)
-    p.group = _contiguous_groups(p.num_clients, cfg.k).astype(np.int64)
+    if cfg.rotated_mode == "disjoint":
+        p = partition_iid(ds, cfg, seed)
+        p.group = _contiguous_groups(p.num_clients, cfg.k).astype(np.int64)
+    else:
+        p = _rotated_ifca(ds, cfg, seed)
     p.angle = (360.0 / cfg.k) * p.group
     return p
+
+
+def _rotated_ifca(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
+    """IFCA's rotated protocol (see :func:`partition_rotated`): group by group, a permutation of
+    the whole training set from the (seed, "partition") stream, its first m_j·n samples dealt in
+    consecutive chunks (DIFCA's uneven sizes from the (seed, "partition/sizes") stream)."""
+    n = resolved_num_clients(cfg)
+    group = _contiguous_groups(n, cfg.k).astype(np.int64)
+    n_train, n_test = len(ds.y_train), len(ds.y_test)
+    rng, size_rng = np_rng(seed, purpose="partition"), np_rng(seed, purpose="partition/sizes")
+    train: list[np.ndarray] = [np.zeros(0, np.int64)] * n
+    test: list[np.ndarray] = [np.zeros(0, np.int64)] * n
+    for j in range(cfg.k):
+        members = np.flatnonzero(group == j)
+        m = len(members)
+        per = cfg.samples_per_client if cfg.samples_per_client is not None else n_train // m
+        if per < 1 or m * per > n_train:
+            raise ConfigError(f"partition.samples_per_client: group {j} has {m} clients × {per} samples but the training "
+                              f"set has {n_train}; lower samples_per_client or num_clients")
+        perm = rng.permutation(n_train)[: m * per]
+        sizes = uneven_sizes(m * per, m, size_rng) if cfg.client_sizes == "uneven" else np.full(m, per)
+        for i, part, chunk in zip(members, _split_sizes(perm, sizes), _split_even(np.arange(n_test), m)):
+            train[i], test[i] = part.astype(np.int64), chunk.astype(np.int64)
+    return Partition(train, test, group, np.zeros(n), None, {})
 
 
 def label_swap_permutations(k: int, num_classes: int, mode: str, seed: int) -> np.ndarray:

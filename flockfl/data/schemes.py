@@ -8,10 +8,10 @@ import dataclasses
 import numpy as np
 
 from flockfl.config import ExperimentConfig
-from flockfl.data.datasets import Dataset
+from flockfl.data.datasets import Dataset, merge_splits
 from flockfl.data.partition import (Partition, largest_remainder, partition_dirichlet, partition_hash, partition_iid,
-                                    partition_label_swap, partition_natural, partition_rotated, partition_shards,
-                                    partition_shards_pct)
+                                    partition_label_swap, partition_natural, partition_pfllib_pat, partition_rotated,
+                                    partition_shards, partition_shards_pct, split_local)
 from flockfl.data.superclusters import partition_mix, partition_sc_dir, partition_sc_niid
 from flockfl.errors import ConfigError
 from flockfl.rng import np_rng
@@ -27,6 +27,7 @@ SCHEMES = {
     "sc_niid": partition_sc_niid,
     "sc_dir": partition_sc_dir,
     "mix": partition_mix,
+    "pfllib_pat": partition_pfllib_pat,
 }
 
 
@@ -59,9 +60,15 @@ def _train_subset(ds: Dataset, keep: np.ndarray) -> Dataset:
 
 def make_partition(ds: Dataset, cfg: ExperimentConfig) -> Partition:
     """Run the configured scheme, after holding out ``partition.server_holdout`` training samples
-    for the server (unset counts as 0 here: the config resolves it from the algorithm)."""
+    for the server (unset counts as 0 here: the config resolves it from the algorithm). With
+    ``partition.test_split=local`` the scheme deals the pooled train and test sets (``ds`` is
+    pooled in place) and each client's share is then split into its train and test samples,
+    before any difficulty ordering (which orders training samples only)."""
     h = cfg.partition.server_holdout or 0
     scheme = SCHEMES[cfg.partition.scheme]
+    local = cfg.partition.test_split == "local"
+    if local:
+        merge_splits(ds)
     if h > 0:
         held = server_holdout_indices(ds, h, cfg.seed)
         keep = np.setdiff1d(np.arange(len(ds.y_train)), held)
@@ -70,6 +77,9 @@ def make_partition(ds: Dataset, cfg: ExperimentConfig) -> Partition:
         part.server_idx = held
     else:
         part = scheme(ds, cfg.partition, cfg.seed)
+    if local:  # the scheme's own test split is replaced by each client's share of its own samples
+        part.train_idx, part.test_idx = split_local(part.train_idx, cfg.partition.local_test_fraction, cfg.seed)
+        part.info["merged_splits"] = ds.meta["merged_splits"]
     if cfg.partition.difficulty_fraction is not None:  # Algorithm 2: same class counts, controlled difficulty
         from flockfl.data import difficulty
 

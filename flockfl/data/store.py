@@ -9,18 +9,30 @@ from pathlib import Path
 
 import numpy as np
 
-from flockfl.config import ExperimentConfig
-from flockfl.data.datasets import Dataset, load_dataset
+from flockfl.config import GENERATOR_KEYS, ExperimentConfig
+from flockfl.data.datasets import Dataset, load_dataset, merge_splits
 from flockfl.data.partition import FORMAT_VERSION, Partition, key_hash, partition_hash
 from flockfl.data.schemes import make_partition
 from flockfl.errors import ConfigError
 from flockfl.files import atomic_write
 
 
+def generator_choices(key: dict) -> dict:
+    """The scheme and the generator choices that shaped a partition (its Dirichlet rule and
+    minimum size, rotated mode, shard size: ``GENERATOR_KEYS``, as the key records them), plus
+    the input normalisation when there is one."""
+    part = key.get("partition", {})
+    out = {"scheme": part.get("scheme"), **{k: part[k] for k in GENERATOR_KEYS if k in part}}
+    if "normalize" in key.get("dataset", {}):
+        out["normalize"] = key["dataset"]["normalize"]
+    return out
+
+
 def summary(p: Partition, ds: Dataset) -> dict:
-    """The partition's JSON summary: sizes, groups, the scheme's ``info`` (super clusters, mix
-    sources), and for classification data the label histograms and the heterogeneity measures
-    (:mod:`flockfl.data.heterogeneity`, computed once and kept in ``p.info``)."""
+    """The partition's JSON summary: sizes, groups, the generator choices (``generator``), the
+    scheme's ``info`` (super clusters, mix sources), and for classification data the label
+    histograms and the heterogeneity measures (:mod:`flockfl.data.heterogeneity`, computed once
+    and kept in ``p.info``)."""
     sizes = p.train_sizes()
     out = {
         "format_version": FORMAT_VERSION,
@@ -34,6 +46,7 @@ def summary(p: Partition, ds: Dataset) -> dict:
         "size_stats": {"min": int(sizes.min()), "max": int(sizes.max()), "mean": float(sizes.mean())},
         "groups": p.group.tolist(),
         "server_holdout": int(len(p.server_idx)),
+        "generator": generator_choices(p.key),
     }
     out.update({k: v for k, v in p.info.items() if k != "heterogeneity"})
     if ds.task == "classification":
@@ -118,7 +131,12 @@ def build_or_load(ds: Dataset, cfg: ExperimentConfig, root: str | Path = "data/p
                   build: bool = True) -> tuple[Partition, Path, bool]:
     """Return (partition, path, cached): load it when a file with the same settings and data
     exists, otherwise build and save it (``build=False``: refuse instead, e.g. on a Dask worker,
-    which must train on the flow's partition and never write one)."""
+    which must train on the flow's partition and never write one). With
+    ``partition.test_split=local``, ``ds`` is pooled in place first (its train and test sets
+    become one array: :func:`~flockfl.data.datasets.merge_splits`), since the partition's indices
+    point into the pool and the caller builds the client data from this same ``ds``."""
+    if cfg.partition.test_split == "local":
+        merge_splits(ds)
     path = partition_path(cfg, root)
     if path.exists():
         try:

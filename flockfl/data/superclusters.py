@@ -10,8 +10,8 @@ import numpy as np
 from flockfl.clustering import data_basis, hierarchical_clusters, proximity_matrix
 from flockfl.config import PartitionConfig
 from flockfl.data.datasets import Dataset
-from flockfl.data.partition import (Partition, _check_nonempty, _check_sizes, _client_labels, _dirichlet_split,
-                                    _need_classes, _shard_deal, _split_among_owners, label_histogram, labels_per_client,
+from flockfl.data.partition import (Partition, _check_nonempty, _check_sizes, _client_labels, _need_classes, _shard_deal,
+                                    _split_among_owners, check_shards, dirichlet_split, label_histogram, labels_per_client,
                                     largest_remainder, resolved_num_clients, split_test_like_train)
 from flockfl.errors import ConfigError
 from flockfl.rng import np_rng
@@ -97,8 +97,8 @@ def partition_sc_niid(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition
 
     Clients go to super clusters in proportion to their sample counts (random clients). Inside
     super cluster g with n_g clients: with ``rho`` unset (SC-NIID(2)), its samples sorted by label
-    are cut into ``classes_per_client``·n_g shards and every client gets ``classes_per_client``
-    random shards; with ``rho`` set (SC-NIID(ρ%)), every client holds max(1, round(ρ/100·|S_g|))
+    are cut into ``classes_per_client``·n_g shards (of ``shard_size`` samples when set) and every
+    client gets ``classes_per_client`` random shards; with ``rho`` set (SC-NIID(ρ%)), every client holds max(1, round(ρ/100·|S_g|))
     of the super cluster's labels (NIID-Bench's rule inside S_g) and each label is split evenly
     among its holders. ``group`` is the client's super cluster."""
     n, scs, group, rng, info = _super_cluster_setup(ds, cfg, seed)
@@ -110,10 +110,8 @@ def partition_sc_niid(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition
         idx = np.flatnonzero(np.isin(ds.y_train, sc))
         if cfg.rho is None:
             s = cfg.classes_per_client
-            if len(members) * s > len(idx):
-                raise ConfigError(f"partition.classes_per_client: super cluster {g} has {len(idx)} samples for "
-                                  f"{len(members)}×{s} shards; lower num_clients or classes_per_client")
-            parts = _shard_deal(ds.y_train, idx, len(members), s, rng)
+            check_shards(len(members), s, cfg.shard_size, len(idx), f" in super cluster {g}")
+            parts = _shard_deal(ds.y_train, idx, len(members), s, rng, cfg.shard_size)
         else:
             k = labels_per_client(cfg.rho, len(sc))
             owned = [_client_labels(j, sc, k, rng) for j in range(len(members))]
@@ -127,21 +125,18 @@ def partition_sc_niid(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition
     return Partition(train, test, group, np.zeros(n), None, {}, info=info)
 
 
-def partition_sc_dir(ds: Dataset, cfg: PartitionConfig, seed: int, min_size: int = 2, max_tries: int = 1000) -> Partition:
+def partition_sc_dir(ds: Dataset, cfg: PartitionConfig, seed: int) -> Partition:
     """SC-Dir(α) (thesis §5.2.2): clients go to super clusters as in SC-NIID; inside each super
-    cluster, C-Dir(α) over its classes and its clients only. ``group`` is the super cluster."""
+    cluster, C-Dir(α) over its classes and its clients only, by the configured Dirichlet rule
+    (``partition.dirichlet_rule``, N/n and the minimum size taken per super cluster). ``group``
+    is the super cluster."""
     n, scs, group, rng, info = _super_cluster_setup(ds, cfg, seed)
     train: list[np.ndarray] = [np.zeros(0, np.int64)] * n
     for g, sc in enumerate(scs):
         members = np.flatnonzero(group == g)
         if len(members) == 0:
             continue
-        m = int(np.isin(ds.y_train, sc).sum())
-        floor = min(min_size, m // len(members))
-        parts = _dirichlet_split(ds.y_train, sc, len(members), cfg.alpha, rng, floor, max_tries)
-        if parts is None:
-            raise ConfigError(f"partition.alpha: Dirichlet({cfg.alpha}) left a client of super cluster {g} with under "
-                              f"{floor} samples after {max_tries} draws; raise alpha or lower num_clients")
+        parts = dirichlet_split(ds.y_train, sc, len(members), cfg, rng, where=f" of super cluster {g}")
         for i, part in zip(members, parts):
             train[i] = part
     _check_nonempty(train, "partition.num_clients", "a super cluster has fewer samples than clients; lower num_clients")

@@ -9,10 +9,13 @@ own held-out training samples (``partition.server_holdout``), if any, are ``Clie
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from flockfl.engine.evaluate import TestPool
 
 
 @dataclass
@@ -40,6 +43,9 @@ class ClientData:
     input_shape: tuple[int, ...]
     # the server's held-out training samples (one block, offsets [0, h], untransformed), or None
     server: Optional[Split] = None
+    # every test sample once per client transform, for the label-union test sets (built with the
+    # partition by flockfl.data.clients; None: the evaluation derives it from ``test`` when needed)
+    pool: Optional["TestPool"] = None
 
     @property
     def num_clients(self) -> int:
@@ -52,4 +58,4 @@ class ClientData:
     def to(self, device: torch.device) -> "ClientData":
         mv = lambda s: Split(s.x.to(device), s.y.to(device), s.offsets)  # noqa: E731
         return ClientData(mv(self.train), mv(self.test), self.group, self.task, self.num_classes, self.input_shape,
-                          None if self.server is None else mv(self.server))
+                          None if self.server is None else mv(self.server), None if self.pool is None else self.pool.to(device))

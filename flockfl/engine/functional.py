@@ -89,3 +89,191 @@ def stacked_outputs(model: nn.Module, models: dict[str, torch.Tensor], x: torch.
     batched = ((lambda p, xc: dense_forward(p, layers, xc)) if layers is not None
                else vmap(lambda p, xc: functional_call(model, p, (xc,)), in_dims=(0, None)))
     return torch.cat([batched(models, x[a : a + chunk]) for a in range(0, len(x), chunk)], 1)
+
+
+# ---------------------------------------------------------------------- the stacked forward
+# A cohort's forward pass written once for all its clients, without vmap: convolutions are one
+# grouped convolution (clients folded into channels, as vmap's batching rule does), linear
+# layers one bmm, and autograd differentiates the sum of the clients' losses, which gives each
+# client its own gradient. Conv and linear layers get their backward written out (below) in the
+# operand order vmap's own backward uses, so this path's gradients equal vmap(grad)'s bit for bit
+# (tests/test_engine.py checks it) while it skips vmap's per-op dispatch and batching rules.
+
+
+def stacked_plan(model: nn.Module) -> list[tuple] | None:
+    """The model as a list of layer ops the stacked forward runs, or None when a layer is not
+    one it knows (the caller then falls back to vmap): ``nn.Sequential`` stacks of Conv2d,
+    ReLU, MaxPool2d, Flatten and Linear, and the BN nets (``models.ConvBNNet``)."""
+    from models import ConvBNNet
+
+    ops: list[tuple] = []
+    if isinstance(model, ConvBNNet):
+        for i in range(1, model.n_conv + 1):
+            conv = getattr(model, f"conv{i}")
+            if not _plain_conv(conv):
+                return None
+            ops += [("conv", f"conv{i}", conv), ("bn", f"bn{i}", getattr(model, f"bn{i}")), ("relu",),
+                    ("pool", {"kernel_size": 2})]
+        ops.append(("flatten",))
+        for i in range(1, model.n_fc + 1):
+            ops.append(("linear", f"fc{i}"))
+            if i < model.n_fc:
+                ops.append(("relu",))
+        return ops
+    if not isinstance(model, nn.Sequential):
+        return None
+    for name, m in model.named_children():
+        if isinstance(m, nn.Conv2d) and _plain_conv(m):
+            ops.append(("conv", name, m))
+        elif isinstance(m, nn.ReLU):
+            ops.append(("relu",))
+        elif isinstance(m, nn.MaxPool2d):
+            ops.append(("pool", {"kernel_size": m.kernel_size, "stride": m.stride, "padding": m.padding,
+                                 "dilation": m.dilation, "ceil_mode": m.ceil_mode}))
+        elif isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1:
+            ops.append(("flatten",))
+        elif isinstance(m, nn.Linear):
+            ops.append(("linear", name))
+        else:
+            return None
+    return ops
+
+
+def _plain_conv(m: nn.Conv2d) -> bool:
+    return m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str)
+
+
+def stacked_forward(plan: list[tuple], params: dict[str, torch.Tensor], x: torch.Tensor,
+                    sample_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Outputs [C, B, out] of C clients' models (stacked ``params``) on their own inputs
+    x [C, B, ...]. Feature maps are kept as [B, C·channels, H, W], the layout of a grouped
+    convolution over the clients; ``sample_weight`` [C, B] weights each client's BN statistics."""
+    c, b = x.shape[:2]
+    spatial = plan[0][0] == "conv"
+    a = x.transpose(0, 1).reshape(b, c * x.shape[2], *x.shape[3:]) if spatial else x
+    for i, op in enumerate(plan):
+        kind = op[0]
+        if kind == "relu" and i + 1 < len(plan) and plan[i + 1][0] == "pool":
+            continue  # fused into the pooling below
+        if kind == "pool":
+            a = _Pool.apply(a, op[1], plan[i - 1][0] == "relu")
+        elif kind == "conv":
+            m, w, bias = op[2], params[f"{op[1]}.weight"], params.get(f"{op[1]}.bias")
+            a = _GroupedConv.apply(a, w.reshape(c * w.shape[1], *w.shape[2:]), None if bias is None else bias.reshape(-1),
+                                   m.stride, m.padding, m.dilation, c)
+        elif kind == "bn":
+            a = _stacked_bn(a, params[f"{op[1]}.weight"], params[f"{op[1]}.bias"], op[2].eps, sample_weight, c)
+        elif kind == "relu":
+            a = torch.relu(a)
+        elif kind == "flatten":
+            a = a.reshape(b, c, -1).transpose(0, 1) if spatial else a.reshape(c, b, -1)
+            spatial = False
+        else:  # linear
+            a = _StackedLinear.apply(a, params[f"{op[1]}.weight"], params.get(f"{op[1]}.bias"))
+    return a
+
+
+def _stacked_bn(a: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, eps: float, sample_weight, c: int) -> torch.Tensor:
+    """``models.WeightedBatchNorm2d`` in training mode for C clients at once: each client's
+    weighted batch statistics, its own γ and β (the same arithmetic, so the same bits)."""
+    b, hw = a.shape[0], a.shape[2] * a.shape[3]
+    x = a.reshape(b, c, a.shape[1] // c, a.shape[2], a.shape[3])
+    if sample_weight is None:
+        w = x.new_full((c, b), 1.0 / b)
+    else:
+        w = sample_weight / sample_weight.sum(1, keepdim=True).clamp_min(1e-30)
+    w = (w / hw).transpose(0, 1).reshape(b, c, 1, 1, 1)
+    mean = (x * w).sum((0, 3, 4))  # [C, channels]
+    var = ((x - mean.reshape(1, *mean.shape, 1, 1)) ** 2 * w).sum((0, 3, 4))
+    scale = gamma * torch.rsqrt(var + eps)
+    shift = beta - mean * scale
+    return (x * scale.reshape(1, *scale.shape, 1, 1) + shift.reshape(1, *shift.shape, 1, 1)).reshape(a.shape)
+
+
+class _GroupedConv(torch.autograd.Function):
+    """C clients' convolutions as one grouped convolution; the bias gradient summed per client
+    as vmap sums it."""
+
+    @staticmethod
+    def forward(ctx, a, weight, bias, stride, padding, dilation, groups):
+        ctx.save_for_backward(a, weight)
+        ctx.conf = (stride, padding, dilation, groups, bias is not None)
+        return nn.functional.conv2d(a, weight, bias, stride, padding, dilation, groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, weight = ctx.saved_tensors
+        stride, padding, dilation, groups, has_bias = ctx.conf
+        ga, gw, _ = torch.ops.aten.convolution_backward(g, a, weight, None, stride, padding, dilation, False, [0, 0],
+                                                         groups, [ctx.needs_input_grad[0], True, False])
+        gb = None
+        if has_bias:
+            b, ch, h, w = g.shape
+            gb = g.reshape(b, groups, ch // groups, h, w).sum((0, 3, 4)).reshape(-1)
+        return ga, gw, gb, None, None, None, None
+
+
+class _Pool(torch.autograd.Function):
+    """Max pooling (after a ReLU when ``relu``) in the channels-last layout, where the CPU kernel
+    is about 3× faster; the output and the input gradient are contiguous again. The values are
+    exact: ReLU commutes with max, so ReLU runs on the pooled map, and the gradient reaches the
+    same (first) maximum of each window, or nothing where the maximum is not positive."""
+
+    @staticmethod
+    def forward(ctx, a, kw, relu):
+        out, idx = torch.ops.aten.max_pool2d_with_indices(
+            a.contiguous(memory_format=torch.channels_last), kw["kernel_size"], kw.get("stride") or [],
+            kw.get("padding", 0), kw.get("dilation", 1), kw.get("ceil_mode", False))
+        if relu:
+            out = torch.relu(out)
+        out = out.contiguous()
+        ctx.save_for_backward(a, idx, out)
+        ctx.conf = (kw, relu)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        a, idx, out = ctx.saved_tensors
+        kw, relu = ctx.conf
+        if relu:
+            g = torch.ops.aten.threshold_backward(g, out, 0)
+        ga = torch.ops.aten.max_pool2d_with_indices_backward(
+            g.contiguous(memory_format=torch.channels_last), a.contiguous(memory_format=torch.channels_last),
+            kw["kernel_size"], kw.get("stride") or [], kw.get("padding", 0), kw.get("dilation", 1),
+            kw.get("ceil_mode", False), idx)
+        return ga.contiguous(), None, None
+
+
+class _StackedLinear(torch.autograd.Function):
+    """C clients' linear layers as one bmm; the backward in vmap's operand order."""
+
+    @staticmethod
+    def forward(ctx, a, weight, bias):
+        ctx.save_for_backward(a, weight)
+        out = torch.bmm(a, weight.transpose(1, 2))
+        return out if bias is None else out + bias.unsqueeze(1)
+
+    @staticmethod
+    def backward(ctx, g):
+        a, weight = ctx.saved_tensors
+        ga = torch.bmm(g, weight) if ctx.needs_input_grad[0] else None
+        gw = torch.bmm(g.transpose(1, 2), a) if ctx.needs_input_grad[1] else None
+        gb = g.sum(1) if ctx.needs_input_grad[2] else None
+        return ga, gw, gb
+
+
+def stacked_step(model: nn.Module, plan: list[tuple], task: str, frozen: list[str]):
+    """``step(params, x, y, w) → (gradients, losses)`` for a cohort, as ``vmap(grad_and_value)``
+    of the weighted loss gives them (frozen entries get a zero gradient)."""
+    weighted = getattr(model, "takes_sample_weight", False)
+
+    def step(params, x, y, w):
+        leaves = {k: v.detach().requires_grad_(k not in frozen) for k, v in params.items()}
+        out = stacked_forward(plan, leaves, x, w if weighted else None)
+        c, b = y.shape[:2]
+        loss = (per_sample_loss(out.reshape(c * b, -1), y.reshape(c * b, *y.shape[2:]), task).reshape(c, b) * w).sum(1)
+        keys = [k for k in leaves if k not in frozen]
+        grads = dict(zip(keys, torch.autograd.grad(loss.sum(), [leaves[k] for k in keys])))
+        return {k: grads[k] if k in grads else torch.zeros_like(v) for k, v in params.items()}, loss.detach()
+
+    return step

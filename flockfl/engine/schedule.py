@@ -17,6 +17,30 @@ from flockfl.engine.pacing import Pacing, paced_batches
 from flockfl.rng import np_rng
 
 
+@dataclass(frozen=True)
+class LrSchedule:
+    """The local learning rate of each step, shared by both trainers (``train.lr_schedule``).
+
+    Step i counts from 0 within one local training (a round's, or a fine-tuning pass), so the
+    rate is reset every round; r is the round. ``constant``: η₀. ``inverse``: η₀(1 + α·i)^−b (the
+    curriculum thesis §2.8, Caffe's "inv"). ``step``: η₀·γ^⌊r/every⌋ (a decay by round)."""
+
+    kind: str = "constant"
+    alpha: float = 0.001
+    b: float = 0.75
+    gamma: float = 0.99
+    every: int = 1
+
+    def rates(self, lr: float, round: int, steps: int) -> list[float]:
+        """The rate of every local step 0..steps−1 in ``round`` (a negative round, a pass before
+        round 0, counts as round 0)."""
+        if self.kind == "inverse":
+            return [float(lr * (1.0 + self.alpha * i) ** -self.b) for i in range(steps)]
+        if self.kind == "step":
+            return [float(lr * self.gamma ** (max(round, 0) // self.every))] * steps
+        return [float(lr)] * steps
+
+
 @dataclass
 class LocalSpec:
     """How the selected clients train this round (from ``Algorithm.local_spec``)."""
@@ -37,6 +61,9 @@ class LocalSpec:
     prox_anchor: Optional[dict[str, torch.Tensor]] = None  # stacked; default: the initial params
     correction: Optional[dict[str, torch.Tensor]] = None  # stacked per client
     momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round
+    # L2 weight decay ω: g ← g + ω·w before every other term and the momentum (torch.optim.SGD's weight_decay)
+    weight_decay: float = 0.0
+    lr_schedule: LrSchedule = LrSchedule()  # the rate of each local step (train.lr_schedule)
     # a closed-form local solver (FedSplit's exact prox): (model, spec, data, task) → stacked params;
     # when set, both trainers use it instead of SGD
     solver: Optional[Callable] = None
@@ -56,7 +83,11 @@ class LocalSpec:
 
     @property
     def has_extras(self) -> bool:
-        return self.has_prox or self.correction is not None or bool(self.momentum)
+        return self.has_prox or self.correction is not None or bool(self.momentum) or bool(self.weight_decay)
+
+    def step_rates(self, round: int, steps: int) -> list[float]:
+        """The learning rate of each of ``steps`` local steps in ``round``."""
+        return self.lr_schedule.rates(self.lr, round, steps)
 
     @property
     def has_prox(self) -> bool:

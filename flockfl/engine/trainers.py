@@ -7,8 +7,10 @@ schedule, and return a :class:`TrainResult`. Tests assert that they agree to 1e-
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -20,7 +22,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.data import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
-from flockfl.engine.functional import per_sample_loss, stack
+from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 
 
@@ -123,6 +125,7 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
         buf = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
         total = 0.0
         snap = {n: p.detach().clone() for n, p in net.named_parameters()} if snap_at is not None and snap_at[ci] == 0 else None
+        rates = spec.step_rates(round, len(batches[ci]))
         for s, local in enumerate(batches[ci]):
             idx = torch.from_numpy(local)
             net.zero_grad(set_to_none=True)
@@ -133,6 +136,8 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
                     if n in frozen:
                         continue
                     g = p.grad if p.grad is not None else torch.zeros_like(p)
+                    if spec.weight_decay:
+                        g = g + spec.weight_decay * p
                     if spec.mu_of(n):
                         g = g + spec.mu_of(n) * (p - anchor[n])
                     if spec.correction is not None:
@@ -142,7 +147,7 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
                         g = buf[n]
                     if spec.masks is not None and n in spec.masks:
                         g = g * spec.masks[n][ci]
-                    p.sub_(spec.lr * g)
+                    p.sub_(rates[s] * g)
             total += float(loss.detach())
             if snap_at is not None and s + 1 == snap_at[ci]:
                 snap = {n: p.detach().clone() for n, p in net.named_parameters()}
@@ -173,11 +178,14 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         return solved(model, spec, data, task)
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
-    plain = not spec.has_extras and spec.masks is None and spec.snapshot_steps is None
+    rates = spec.step_rates(round, sched.steps)  # step s's rate, the same for every client still stepping
+    # the dense trainer takes plain SGD steps with one η for the whole pass
+    plain = not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
     layers = dense_layers(model) if method in ("auto", "dense") and plain else None
-    if method == "dense" and layers is None:
-        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack and no prox/correction/momentum/mask/snapshot terms")
     steps = sched.active.sum(0).numpy()
+    if method == "dense" and layers is None:
+        raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack, a constant rate within the pass and no "
+                         "prox/correction/momentum/weight-decay/mask/snapshot terms")
     snap_at = _snapshot_at(spec, steps)
     meta: dict = {}
     index, weight = sched.index.to(device), sched.weight.to(device)
@@ -185,7 +193,7 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     if layers is not None:
         # keep broadcast inits broadcast (a shared start enables the low-rank layers)
         init = {k: (v[:1].to(device).expand_as(v) if v.stride(0) == 0 else v.to(device)) for k, v in spec.init.items()}
-        cohort = DenseCohort(init, layers, spec.lr, index.shape[2])
+        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2])
         for s in range(sched.steps):
             total += cohort.step(data.x[index[s]], data.y[index[s]], weight[s], task)
         params = cohort.params()
@@ -198,7 +206,10 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
             out = functional_call(model, p, (x,), {"sample_weight": w}) if weighted else functional_call(model, p, (x,))
             return (per_sample_loss(out, y, task) * w).sum()
 
-        step = vmap(grad_and_value(weighted_loss))
+        plan = stacked_plan(model) if method in ("auto", "stacked") else None
+        if method == "stacked" and plan is None:
+            raise ValueError("method='stacked' needs a Sequential of Conv2d/ReLU/MaxPool2d/Flatten/Linear or a ConvBNNet")
+        step = stacked_step(model, plan, task, frozen) if plan is not None else vmap(grad_and_value(weighted_loss))
         extras = _GradientTerms(spec, params, device)
         masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
         snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
@@ -214,7 +225,7 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
                         if k in frozen:
                             continue
                         gk = g[k] * masks[k] if k in masks else g[k]
-                        params[k] = params[k] - spec.lr * gk
+                        params[k] = params[k] - rates[s] * gk
                     if snap is not None:
                         rows = torch.from_numpy(np.flatnonzero(snap_at == s + 1)).to(device)
                         if len(rows):
@@ -233,9 +244,9 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
 
 
 class _GradientTerms:
-    """FedProx's μ(w − anchor), an additive per-client correction and local momentum, for
-    stacked parameters. Clients with no step left (``active`` false) neither move nor
-    advance their momentum."""
+    """Weight decay ω·w, FedProx's μ(w − anchor), an additive per-client correction and local
+    momentum, in the reference loop's order, for stacked parameters. Clients with no step left
+    (``active`` false) neither move nor advance their momentum."""
 
     def __init__(self, spec: LocalSpec, params: dict[str, torch.Tensor], device):
         self.spec = spec
@@ -248,6 +259,8 @@ class _GradientTerms:
         out = {}
         for k, gk in g.items():
             mask = active.to(gk.dtype).reshape(-1, *([1] * (gk.dim() - 1)))
+            if self.spec.weight_decay:
+                gk = gk + self.spec.weight_decay * params[k]
             if self.anchor is not None and self.spec.mu_of(k):
                 gk = gk + self.spec.mu_of(k) * (params[k] - self.anchor[k])
             if self.corr is not None:
@@ -288,12 +301,34 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
 
 def configure_threads(threads: int = 0) -> int:
     """Set torch's intra-op threads deliberately (0 = the cores we may use, at most 4, and at
-    most ``FLOCKFL_MAX_THREADS`` when set: ``flock sweep --parallel N`` shares the cores)."""
+    most ``FLOCKFL_MAX_THREADS`` when set: ``flock sweep --parallel N`` shares the cores), and
+    keep freed tensor memory for reuse (:func:`keep_freed_memory`)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cap = int(os.environ.get("FLOCKFL_MAX_THREADS") or 4)
     n = threads or max(1, min(cap, 4, cores))
     torch.set_num_threads(n)
+    keep_freed_memory()
     return n
+
+
+_RETAIN = 1 << 30  # bytes of freed heap glibc may keep at the top before it returns memory to the OS
+
+
+def keep_freed_memory() -> bool:
+    """glibc only: serve large blocks from the heap and keep up to 1 GiB freed for reuse.
+
+    By default glibc maps every block over 32 MB (a W1 cohort's stacked weights: 75 MB) on its
+    own and unmaps it when freed, so each round page-faults its big tensors in afresh; on W1
+    that was a quarter of the training stage. ``FLOCKFL_MALLOC=system`` leaves glibc as it is.
+    Returns whether the setting was applied."""
+    if os.environ.get("FLOCKFL_MALLOC") == "system" or not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters (malloc.h)
+        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, _RETAIN))
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
 
 
 def resolve_device(name: str, fast_math: bool = False) -> torch.device:

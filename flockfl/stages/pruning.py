@@ -53,6 +53,7 @@ logged beside it as ``bytes_thesis``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 
 import numpy as np
@@ -60,7 +61,7 @@ import torch
 
 from flockfl.client import finetune_epochs, pass_spec
 from flockfl.errors import ConfigError
-from flockfl.clientstate import ClientTable, chunks, joined
+from flockfl.clientstate import ClientTable, chunks
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import calibrate_bn, stat_names
 from flockfl.stages.base import Stage, log_mean
@@ -136,6 +137,8 @@ class Pruning(Stage):
         self.eval_chunk = cfg.train.eval_chunk
         self.eps_us = self.p.mask_threshold if self.p.mask_threshold is not None else (
             0.05 if self.method == "hybrid" else 1e-4)
+        # client → (digest of its evaluated subnetwork and data, its BN statistics): see ``calibrated``
+        self._bn: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
 
     @property
     def on(self) -> bool:
@@ -359,9 +362,9 @@ class Pruning(Stage):
         """Each federating client with its own subnetwork (its model ⊙ its mask, with its own
         BN statistics): ``accuracy_pruned``; after ``train.finetune_epochs`` of masked local
         training: ``accuracy_pruned_finetuned``; and the sparsity reached."""
-        from flockfl.evaluation import own_model_metrics, summarise_clients
         from flockfl.engine import TRAINERS
         from flockfl.engine.functional import index_params
+        from flockfl.evaluation import ClientMetrics, family, measure_own, protocol
 
         ctx, t = prep.ctx, prep.cfg.train
         device = ctx.data.train.x.device
@@ -370,17 +373,51 @@ class Pruning(Stage):
         for seen in chunks(ctx.seen, self.eval_chunk):  # memory: one chunk of clients' masks and models
             masks = self.full_masks(*self.rows(state, seen, device))
             params = apply_masks(index_params(state.models, torch.from_numpy(assign_all[seen]).to(device)), masks)
-            plain.append(self.subnet_metrics(ctx, params, seen))
+            plain.append(measure_own(ctx, self.calibrated(ctx, params, seen), seen))
             if finetune:
                 spec = pass_spec(t, seen, params, finetune_epochs(t), stream="finetune", masks=masks, momentum=t.momentum)
                 res = TRAINERS[state.meta.get("engine", "vectorized")](ctx.model, spec, ctx.data.train, ctx.data.task,
                                                                        ctx.seed, round)
-                tuned.append(own_model_metrics(ctx.model, res.params, ctx.data.test, seen, ctx.data.task))
-        out = summarise_clients(*joined(plain), ctx.data.task, "_pruned")
+                tuned.append(measure_own(ctx, res.params, seen))
+        proto = protocol(ctx)
+        out = family(ClientMetrics.join(plain), proto, ctx.data.task, "_pruned")
         if finetune:
-            out.update(summarise_clients(*joined(tuned), ctx.data.task, "_pruned_finetuned"))
+            out.update(family(ClientMetrics.join(tuned), proto, ctx.data.task, "_pruned_finetuned"))
         out.update(self.sparsity(state, ctx.seen))
         return out
+
+    def calibrated(self, ctx, params: dict, clients: np.ndarray) -> dict:
+        """The subnetworks (a copy) with each client's BN statistics recomputed over its own
+        training data, only where its subnetwork or its data changed since the client's last
+        evaluation (the statistics are a pure function of the two: reusing them is exact)."""
+        from flockfl.engine.evaluate import strided_pooling
+
+        stats = [k for k in stat_names(ctx.model) if k in params]
+        params = {k: v.clone() for k, v in params.items()}
+        if not stats:
+            return params
+        keys = [subnet_key(params, i, stats, ctx.data_version) for i in range(len(clients))]
+        todo = np.array([i for i, c in enumerate(clients) if self._bn.get(int(c), ("",))[0] != keys[i]], np.int64)
+        if len(todo):
+            sel = torch.from_numpy(todo).to(next(iter(params.values())).device)
+            part = {k: v[sel] for k, v in params.items()}
+            with strided_pooling():  # the same values as the model's own max-pool, faster
+                calibrate_bn(ctx.model, part, ctx.data.train, np.asarray(clients)[todo])
+            for r, i in enumerate(todo):
+                self._bn[int(clients[i])] = (keys[i], {k: part[k][r].clone() for k in stats})
+        for i, c in enumerate(clients):
+            for k in stats:
+                params[k][i] = self._bn[int(c)][1][k]
+        return params
+
+
+def subnet_key(params: dict, i: int, stats: list[str], data_version: int) -> str:
+    """A digest of client i's subnetwork (every entry but the BN statistics) and the data version."""
+    h = hashlib.sha1(str(data_version).encode())
+    for k in sorted(params):
+        if k not in stats:
+            h.update(params[k][i].detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def apply_masks(params: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,89 @@
+"""A ``flock repro`` table run in this process by the plain round loop, without Prefect or MLflow.
+
+For a machine that has a GPU but not the tracking stack (the lent GPU images carry only
+torch and the wheels one brings): the same table definition (configs/repro/), the same cells,
+seeds and protocol, the same rendering beside the published numbers; each cell is
+``flockfl.rounds.run_rounds`` on ``train.device`` (no checkpoints, no resume: a cell that
+fails is reported and the rest go on). ``--parallel N`` runs N cells at once in threads, which
+keeps a GPU busy when one small model cannot. Use ``flock repro`` wherever the stack is there.
+
+  python benchmarks/repro_direct.py niid_bench_fmnist --device cuda --seeds 0 --parallel 4
+  python benchmarks/repro_direct.py niid_bench_fmnist --budget cpu --rows FedAvg --columns IID --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("table")
+    ap.add_argument("--budget")
+    ap.add_argument("--seeds", nargs="+", type=int)
+    ap.add_argument("--rows", nargs="+")
+    ap.add_argument("--columns", nargs="+")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--json", help="write the table's JSON here")
+    args = ap.parse_args(argv)
+
+    from flockfl.evaluation import summarise
+    from flockfl.rounds import prepare, run_rounds
+    from flows import repro
+
+    overrides = [*args.overrides, f"train.device={args.device}", "tracking.enabled=false"]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        plan = repro.plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, overrides,
+                                str(ROOT / "params.yaml"), tmp)
+        print(f"## {plan.table.title}\n\n{repro.describe_setting(plan)}\n", flush=True)
+        lock = threading.Lock()
+
+        def run(child) -> None:
+            t = time.perf_counter()
+            try:
+                prep = prepare(child.cfg, Path(tmp) / "partitions")
+                child.summary = summarise(run_rounds(prep))
+                child.summary["wall_s"] = time.perf_counter() - t
+                child.status = "finished"
+            except Exception as err:  # one cell failing does not stop the table
+                child.status, child.error = "failed", f"{type(err).__name__}: {err}"
+            with lock:
+                acc = (child.summary or {}).get("metrics", {}).get("accuracy")
+                print(f"  {child.key}: {child.status}" + (f", accuracy {acc:.4f}" if acc is not None else "")
+                      + (f" ({child.error})" if child.error else "") + f", {time.perf_counter() - t:.1f} s", flush=True)
+
+        from flockfl.data.store import build_partition
+
+        for child in plan.sweep.children:  # once each, before any thread: two threads would write one file
+            build_partition(child.cfg, Path(tmp) / "partitions")
+        if args.parallel > 1:
+            with ThreadPoolExecutor(args.parallel) as pool:
+                list(pool.map(run, plan.sweep.children))
+        else:
+            for child in plan.sweep.children:
+                run(child)
+        text, data = repro.render(plan)
+    print(f"\n{text}\n")
+    for source, v in data["within_tolerance"].items():
+        print(f"{v['within']} of {v['of']} cells within ±{v['points']:g} points of {source}")
+    print(f"\nwall {time.perf_counter() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"table": args.table, "budget": plan.budget, **data}, indent=1, default=str))
+    return 0 if all(c.status == "finished" for c in plan.sweep.children) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""`flock repro TABLE`: the tables of configs/repro/ load, every cell of every budget is a valid
+experiment, published numbers name real rows and columns; a small table runs end to end through
+the real CLI (Prefect, MLflow SQLite), prints ours beside the published numbers with the protocol
+and budget named, logs the table to the MLflow parent run, and the same command continues it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import last_json, run_flock
+
+from flockfl.errors import ConfigError
+from flows import repro
+
+TABLES = ("niid_bench_fmnist", "thesis_label_skew", "flexcfl_synthetic", "subfedavg", "curriculum")
+
+
+def test_the_issue_tables_are_listed():
+    assert set(TABLES) <= set(repro.table_names())
+
+
+@pytest.mark.parametrize("name", repro.table_names())
+def test_every_cell_of_every_budget_validates(name, tmp_path):
+    t = repro.load_table(name)
+    assert t.published and t.notes, f"{name}: a table prints published numbers and says where ours may differ"
+    for budget in t.budgets:
+        plan = repro.plan_repro(name, budget, None, None, None, [], "params.yaml", str(tmp_path / budget))
+        cells = {c.label for c in plan.sweep.children}
+        expected = {repro.cell_label(r, c) for r in t.rows for c in t.columns if repro.has_cell(t, r, c)}
+        assert cells == expected
+        assert len(plan.sweep.children) == len(expected) * len(t.seeds)
+        base = plan.sweep.base
+        assert base.eval.test_set in ("proportional", "label_union")  # every table names its protocol
+
+
+def test_published_cells_must_name_rows_and_columns(tmp_path, monkeypatch):
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({
+        "title": "t", "paper": "p", "base": {}, "rows": {"A": {}}, "columns": {"x": {}}, "budgets": {"paper": {}},
+        "published": {"src": {"B": {"x": 1.0}}}}))
+    monkeypatch.setattr(repro, "TABLES_DIR", tmp_path)
+    with pytest.raises(ConfigError, match="published.src names row 'B', which is not in rows"):
+        repro.load_table("bad")
+
+
+def test_overrides_reach_the_base_and_win_over_cells(tmp_path):
+    plan = repro.plan_repro("niid_bench_fmnist", "cpu", [0], ["FedProx"], ["#C=2"], ["train.momentum=0.5",
+                            "partition.rho=30"], "params.yaml", str(tmp_path))
+    assert plan.sweep.base.train.momentum == 0.5
+    (child,) = plan.sweep.children
+    assert child.cfg.partition.rho == 30 and child.cfg.train.rounds == 10 and child.cfg.algorithm.name == "fedprox"
+
+
+def test_bad_table_row_and_budget_are_one_line_errors(tmp_path):
+    for args, msg in ((["nope"], "unknown table 'nope'"), (["subfedavg", "--budget", "gpu"], "--budget 'gpu'"),
+                      (["subfedavg", "--rows", "Nope", "--dry-run"], "--rows Nope: not in table 'subfedavg'")):
+        res = run_flock(["repro", *args], tmp_path)
+        assert res.returncode == 2, res.stderr
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and msg in lines[0], res.stderr
+
+
+@pytest.mark.slow
+def test_a_small_table_end_to_end_and_continued(tmp_path):
+    args = ["repro", "niid_bench_fmnist", "--rows", "FedAvg", "FedProx", "--columns", "IID", "#C=2", "--seeds", "0",
+            "--set", "dataset.name=digits", "--set", "model.name=mlp", "--set", "train.rounds=2",
+            "--set", "train.local_epochs=1", "--set", "train.batch_size=16", "--set", "train.lr=0.1",
+            "--no-progress", "--json"]
+    res = run_flock(args, tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = last_json(res.stdout)
+    assert out["protocol"] == {"test_set": "proportional", "average": "samples", "report": "best", "last_k": 10}
+    assert out["runs"] == 4 and not out["failed"]
+    cell = next(c for c in out["cells"] if c["row"] == "FedAvg" and c["column"] == "#C=2")
+    assert cell["published"]["Flower"] == [78.10, 2.51] and cell["published"]["NIID-Bench"] == [77.3, 4.9]
+    ours = cell["ours"]["global model, best round"]["mean"]
+    assert 20 < ours <= 100  # digits after 2 rounds at lr 0.1: well above chance, in percent
+    assert out["within_tolerance"]["Flower"]["of"] == 4
+    assert "(budget 'paper'; the paper's: 50 × 10)" in res.stdout and "protocol: test_set=proportional, average=samples, report=best" in res.stdout
+    assert "applied to every cell: dataset.name=digits" in res.stdout
+    table = Path(tmp_path, out["out"], "table.md").read_text()
+    assert "| FedAvg |" in table and "89.23 ± 0.45" in table and "Where and why ours may differ" in table
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run(out["parent_run_id"])
+    assert run.data.tags["flockfl.repro.table"] == "niid_bench_fmnist"
+    arts = {a.path for a in client.list_artifacts(out["parent_run_id"], "repro")}
+    assert {"repro/table.md", "repro/table.json"} <= arts
+    children = client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{out['parent_run_id']}'")
+    assert len(children) == 4
+
+    again = run_flock(args, tmp_path)  # the same command continues: nothing runs again
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "4 of 4 runs finished" in again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["cells"] == out["cells"]
