@@ -312,6 +312,8 @@ def describe_setting(plan: ReproPlan) -> str:
     cfg = plan.sweep.base
     tr, ev = cfg.train, cfg.eval
     paper = deep_merge(plan.table.base, plan.table.budgets.get("paper", {})).get("train", {})
+    ran = deep_merge(tr.model_dump(), plan.table.budgets[plan.budget].get("train", {}))  # the cells' budget
+    tr = tr.model_copy(update={k: ran[k] for k in ("rounds", "local_epochs", "clients_per_round")})
     return (f"{cfg.dataset.name}, {cfg.partition.num_clients} clients, {tr.clients_per_round} per round, "
             f"{cfg.model.name}; {tr.rounds} rounds × {tr.local_epochs} local epochs (budget '{plan.budget}'; the "
             f"paper's: {paper.get('rounds', '?')} × {paper.get('local_epochs', '?')}), batch {tr.batch_size}, lr {tr.lr}, "

@@ -97,7 +97,7 @@ def stacked_outputs(model: nn.Module, models: dict[str, torch.Tensor], x: torch.
 # layers one bmm, and autograd differentiates the sum of the clients' losses, which gives each
 # client its own gradient. Conv and linear layers get their backward written out (below) in the
 # operand order vmap's own backward uses, so this path's gradients equal vmap(grad)'s bit for bit
-# (tests/test_engine.py checks it) while it skips vmap's per-op dispatch and batching rules.
+# (tests/test_conv_vectorized.py checks it) while it skips vmap's per-op dispatch and batching rules.
 
 
 def stacked_plan(model: nn.Module) -> list[tuple] | None:
@@ -221,26 +221,24 @@ class _Pool(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, a, kw, relu):
-        out, idx = torch.ops.aten.max_pool2d_with_indices(
-            a.contiguous(memory_format=torch.channels_last), kw["kernel_size"], kw.get("stride") or [],
-            kw.get("padding", 0), kw.get("dilation", 1), kw.get("ceil_mode", False))
+        a = a.contiguous(memory_format=torch.channels_last)
+        ctx.args = (kw["kernel_size"], kw.get("stride") or [], kw.get("padding", 0), kw.get("dilation", 1),
+                    kw.get("ceil_mode", False))
+        out, idx = torch.ops.aten.max_pool2d_with_indices(a, *ctx.args)
         if relu:
             out = torch.relu(out)
         out = out.contiguous()
         ctx.save_for_backward(a, idx, out)
-        ctx.conf = (kw, relu)
+        ctx.relu = relu
         return out
 
     @staticmethod
     def backward(ctx, g):
         a, idx, out = ctx.saved_tensors
-        kw, relu = ctx.conf
-        if relu:
+        if ctx.relu:
             g = torch.ops.aten.threshold_backward(g, out, 0)
-        ga = torch.ops.aten.max_pool2d_with_indices_backward(
-            g.contiguous(memory_format=torch.channels_last), a.contiguous(memory_format=torch.channels_last),
-            kw["kernel_size"], kw.get("stride") or [], kw.get("padding", 0), kw.get("dilation", 1),
-            kw.get("ceil_mode", False), idx)
+        ga = torch.ops.aten.max_pool2d_with_indices_backward(g.contiguous(memory_format=torch.channels_last), a,
+                                                             *ctx.args, idx)
         return ga.contiguous(), None, None
 
 
