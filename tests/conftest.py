@@ -61,6 +61,9 @@ def flock_env(extra: dict | None = None) -> dict:
     # an in-process `flock run` of an earlier test pointed this process's PREFECT_API_URL at
     # its own per-process API; a flock subprocess starts its own unless a test passes one
     env.pop("PREFECT_API_URL", None)
+    # mlflow.set_tracking_uri (an in-process Tracker of an earlier test) exports
+    # MLFLOW_TRACKING_URI: a flock subprocess would log to that test's store, not to its cwd's
+    env.pop("MLFLOW_TRACKING_URI", None)
     env.update(extra or {})
     return env
 

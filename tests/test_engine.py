@@ -154,6 +154,32 @@ def test_choose_engine_returns_a_trainer_and_timings():
     assert choice in ("reference", "vectorized") and t["reference_s_est"] > 0 and t["vectorized_s_est"] > 0
 
 
+def test_choose_engine_scales_only_the_per_step_cost(monkeypatch):
+    """The vectorised estimate is its fixed cost plus steps × its cost per step: a cohort trainer
+    with 1 s of fixed work (BN calibration, say) and 10 ms a step is estimated at 1.2 s for 20
+    steps, not at 20 × (1 s + 2 steps)/2 steps, and so wins against a 4 s reference."""
+    from flockfl.engine import trainers
+
+    clock = [0.0]
+    monkeypatch.setattr(trainers.time, "perf_counter", lambda: clock[0])
+
+    def cohort(model, spec, *args, **kw):
+        clock[0] += 1.0 + 0.01 * spec.steps
+
+    def reference(model, spec, *args, **kw):
+        clock[0] += 0.5 * len(spec.clients)
+
+    monkeypatch.setattr(trainers, "train_cohort", cohort)
+    monkeypatch.setattr(trainers, "train_reference", reference)
+    data = random_clients([20] * 8)
+    model = build_model("mlp", (1, 8, 8), 10, 16)
+    init = stack([init_params(model, torch_generator(0, client=i, purpose="init")) for i in range(8)])
+    choice, t = choose_engine(model, LocalSpec(np.arange(8), init, 0.1, epochs=5, batch_size=5), data.train, data.task, 0)
+    assert t["vectorized_s_est"] == pytest.approx(1.0 + 0.01 * 20)
+    assert t["reference_s_est"] == pytest.approx(4.0)
+    assert choice == "vectorized"
+
+
 def _prepared(cfg, data) -> PreparedRun:
     return prepare_data(cfg, data)
 
