@@ -228,10 +228,23 @@ def cell_values(plan: ReproPlan) -> dict[tuple[str, str], dict[str, list[float]]
             done = [ch for ch in plan.sweep.children if ch.label == label and ch.status == "finished" and ch.summary]
             vals = {}
             for conv in t.conventions:
-                xs = [first_metric(ch.summary.get("metrics") or {}, conv["metric"]) for ch in done]
+                xs = [first_metric(summary_metrics(ch.summary), conv["metric"]) for ch in done]
                 vals[conv["label"]] = [t.scale * float(x) for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
             out[(r, c)] = vals
     return out
+
+
+def summary_metrics(summary: dict) -> dict:
+    """A run's metrics, with every convention's ``accuracy`` under the run's report mode added
+    by its logged name (``accuracy__label_union__clients``): ``summarise`` keeps those in
+    ``reports`` (per ``test_set/average``, per mode)."""
+    metrics = dict(summary.get("metrics") or {})
+    mode = (summary.get("protocol") or {}).get("report")
+    for conv, by_mode in (summary.get("reports") or {}).items():
+        test_set, _, average = conv.partition("/")
+        if mode in by_mode:
+            metrics.setdefault(f"accuracy__{test_set}__{average}", by_mode[mode])
+    return metrics
 
 
 def first_metric(metrics: dict, keys) -> Optional[float]:

@@ -321,7 +321,8 @@ def _metric_key(label: str) -> str:
 def _slim(summary: dict) -> dict:
     """What sweep.json keeps of a run's summary (enough for the table and the report)."""
     keys = ("run_id", "run_dir", "rounds", "resumed_from_round", "metrics", "state_sha256", "wall_s", "rounds_wall_s",
-            "round_s_median", "sweep_wall_s", "phases_s", "bytes_total", "clients_dropped", "rounds_to_target", "sim_time_to_target")
+            "round_s_median", "sweep_wall_s", "phases_s", "bytes_total", "clients_dropped", "rounds_to_target", "sim_time_to_target",
+            "protocol", "reports")
     return {k: summary.get(k) for k in keys if k in summary}
 
 
