@@ -14,7 +14,7 @@ import copy
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
 from flockfl.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -142,6 +142,15 @@ class ModelConfig(_Section):
     # CNN (FedAvgCNN: conv 32, conv 64, FC 512, out; 582,026 parameters on 28×28)
     name: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "linear", "lenet5_bn", "cnn_bn", "pfllib_cnn"] = "mlp"
     hidden: int = Field(200, ge=1)
+
+
+REGRESSION_MODELS = ("linear",)
+
+
+def classifier_list() -> str:
+    """The classifier models of ``model.name`` (every model but the regression ones), for messages."""
+    names = [m for m in get_args(ModelConfig.model_fields["name"].annotation) if m not in REGRESSION_MODELS]
+    return ", ".join(names[:-1]) + " or " + names[-1]
 
 
 class AlgorithmConfig(BaseModel):
@@ -367,7 +376,7 @@ class ExperimentConfig(_Section):
         if self.dataset.name == "synthetic_linreg" and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
         if self.dataset.name not in ("synthetic_linreg", "npz") and self.model.name == "linear":
-            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs a classifier (mclr, mlp, lenet5, lenet5_padded, lenet5_bn or cnn_bn)")
+            raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs a classifier ({classifier_list()})")
         if self.dataset.name == "npz" and not self.dataset.path:
             raise ValueError("dataset.path: the npz dataset needs a file; set dataset.path=/path/to/data.npz")
         ds = self.dataset

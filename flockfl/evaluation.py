@@ -19,7 +19,10 @@ logs each convention: ``{name}__{test_set}__{average}`` for the means (``accurac
 and ``{name}__{test_set}`` for the quantiles (``_min``, ``_p10``), e.g.
 ``accuracy__label_union__clients`` and ``accuracy_min__label_union``. The last round adds
 ``{name}__{test_set}__{average}__{report}`` for every mean accuracy and every report mode.
-Regression has no labels to hold: its only test set is ``proportional``.
+Regression has no labels to hold: its only test set is ``proportional``; nor is ``label_union``
+measured with ``partition.test_split=local`` (PFLlib's per-client held-out samples: no shared
+test pool exists). :func:`summarise` puts the last row's ``{name}__{test_set}__{average}__{report}``
+values in its ``metrics`` too.
 
 **Exact and fast.** A model is evaluated once on all the rows its clients need (clients that
 share a model in one pass, a per-client model on its own rows), and each client's sums are
@@ -38,7 +41,7 @@ import torch
 from torch import nn
 
 from flockfl.clientstate import chunks, joined
-from flockfl.engine.evaluate import TestPool, class_sums, identity_pool, outputs, own_outputs, row_stats, segment_sums
+from flockfl.engine.evaluate import OwnOutputs, TestPool, class_sums, identity_pool, outputs, row_stats, segment_sums
 from flockfl.engine.functional import losses_under_models, segment_mean
 from flockfl.errors import ConfigError
 
@@ -109,6 +112,28 @@ class ClientMetrics:
         return ClientMetrics({ts: joined([p.sets[ts] for p in parts]) for ts in TEST_SETS if ts in common})
 
 
+def overlay(base: ClientMetrics, pos: np.ndarray, part: Optional[ClientMetrics]) -> ClientMetrics:
+    """``base`` with the clients at positions ``pos`` replaced by ``part``'s (in that order)."""
+    if part is None or len(pos) == 0:
+        return base
+    out = {}
+    for ts in base.sets:
+        if ts in part.sets:
+            arrays = [np.array(a, copy=True) for a in base.sets[ts]]
+            for a, b in zip(arrays, part.sets[ts]):
+                a[pos] = b
+            out[ts] = tuple(arrays)
+    return ClientMetrics(out)
+
+
+def label_union_applies(cfg) -> bool:
+    """Whether the ``label_union`` convention is measured: not with ``partition.test_split=local``
+    (PFLlib's setting), where each client's test set is its own held-out samples and the dataset's
+    test set is merged into the clients' data, so there is no shared pool to draw a label union
+    from (``eval.test_set=label_union`` is refused there; its pass cost 24 of 31 s a round)."""
+    return getattr(cfg.partition, "test_split", "global") != "local"
+
+
 def label_pool(ctx: RunContext) -> TestPool:
     """The run's test pool: the partition's (``ClientData.pool``), or for client data built
     without one, its test split as the pool (built once, kept on the data)."""
@@ -154,7 +179,7 @@ class _Measure:
         self.count = {"proportional": self.test.sizes[self.clients].astype(np.int64)}
         self.pool: Optional[TestPool] = None
         self.linked = False
-        if self.task == "classification":
+        if self.task == "classification" and label_union_applies(ctx.cfg):
             pool = self.pool = label_pool(ctx)
             k = pool.num_classes
             self.targets = np.asarray(pool.targets(self.clients))  # [n, K]: original class → the client's label
@@ -242,13 +267,20 @@ class _Measure:
             self.absorb_pool(outputs(self.model, params, x), [rows], [group])
 
     def own(self, params: dict[str, torch.Tensor], pos: np.ndarray) -> None:
-        """Client ``clients[pos[r]]`` under its own model, row r of the stacked ``params``."""
+        """Client ``clients[pos[r]]`` under its own model, row r of the stacked ``params``.
+
+        The outputs are reduced to per-client sums a group of at most :data:`ABSORB_ROWS` rows
+        at a time, so memory holds one group's outputs (not the chunk's: 1,000 clients on a
+        10,000-row label union are 10⁷ rows)."""
         single = [pos[r:r + 1] for r in range(len(pos))]
         if not self.linked:
             index = [torch.from_numpy(self.prop_rows(p)[0]).to(self.test.x.device) for p in single]
-            outs = own_outputs(self.model, params, self.test.x, index)
-            if outs:
-                self.absorb_rows(torch.cat(outs), self.test.y[torch.cat(index)], pos, np.array([len(i) for i in index]))
+            run = OwnOutputs(self.model, params, self.test.x, index)
+            for g in row_groups([len(i) for i in index]):
+                outs = run(g)
+                if outs:
+                    self.absorb_rows(torch.cat(outs), self.test.y[torch.cat([index[r] for r in g])], pos[g],
+                                     np.array([len(index[r]) for r in g]))
         if self.pool is None:
             return
         pool = self.pool
@@ -256,9 +288,11 @@ class _Measure:
         rows = [self.pool_rows(p) for p in single]
         offset = pool.view[self.clients[pos]] * pool.x.shape[1]
         index = [torch.from_numpy(rows[r] + offset[r]).to(flat.device) for r in range(len(pos))]
-        outs = own_outputs(self.model, params, flat, index)
-        if outs:
-            self.absorb_pool(torch.cat(outs), rows, single)
+        run = OwnOutputs(self.model, params, flat, index)
+        for g in row_groups([len(r) for r in rows]):
+            outs = run(g)
+            if outs:
+                self.absorb_pool(torch.cat(outs), [rows[r] for r in g], [single[r] for r in g])
 
     def result(self) -> ClientMetrics:
         sets = {}
@@ -270,6 +304,20 @@ class _Measure:
 
 
 EVAL_CHUNK = 4096  # clients per pass over the proportional rows of one model
+ABSORB_ROWS = 1 << 20  # output rows of per-client models reduced at a time (a group: about 40 MB of logits)
+
+
+def row_groups(lengths: list[int], limit: int = ABSORB_ROWS) -> list[np.ndarray]:
+    """Consecutive groups of positions whose lengths sum to at most ``limit`` (a longer one alone)."""
+    out, a, total = [], 0, 0
+    for i, n in enumerate(lengths):
+        if i > a and total + n > limit:
+            out.append(np.arange(a, i))
+            a, total = i, 0
+        total += n
+    if a < len(lengths):
+        out.append(np.arange(a, len(lengths)))
+    return out
 
 
 def measure_shared(ctx: RunContext, models: dict[str, torch.Tensor], which: np.ndarray, clients: np.ndarray
@@ -291,7 +339,8 @@ def measure_own(ctx: RunContext, params: dict[str, torch.Tensor], clients: np.nd
     for part in chunks(np.arange(len(clients)), ctx.cfg.train.eval_chunk):
         whole = len(part) == len(clients)
         sel = torch.from_numpy(part).to(next(iter(params.values())).device)
-        m.own(params if whole else {k: v[sel] for k, v in params.items()}, part)
+        m.own(params if whole else {k: v[:1].expand(len(part), *v.shape[1:]) if v.stride(0) == 0 else v[sel]
+                                    for k, v in params.items()}, part)  # a broadcast view stays one
     return m.result()
 
 
@@ -542,6 +591,9 @@ def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, A
                 metrics[k] = got[0]
         elif k in last and not (isinstance(last[k], float) and math.isnan(last[k])):
             metrics[k] = last[k]
+    # every convention's reported values (``accuracy__label_union__clients__best``): the last row's
+    metrics.update({k: float(v) for k, v in last.items() if k.count("__") == 3 and isinstance(v, (int, float))
+                    and not (isinstance(v, float) and math.isnan(v))})
     headline = reported(rows, "accuracy", proto.report, proto.last_k, all_trained)
     reports = {f"{ts}/{avg}": {mode: got[0] for mode in REPORTS
                                if (got := reported(rows, variant("accuracy", ts, avg), mode, proto.last_k, all_trained))}

@@ -17,7 +17,7 @@ import torch
 
 from flockfl.algorithms import Algorithm, build_algorithm
 from flockfl.clientstate import chunks
-from flockfl.config import ExperimentConfig
+from flockfl.config import ExperimentConfig, classifier_list
 from flockfl.context import RunContext, unseen_clients
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine.data import ClientData
@@ -102,7 +102,7 @@ def check_task(cfg: ExperimentConfig, ds) -> None:
                           "(a regression task); use model.name=linear")
     if ds.task == "classification" and cfg.model.name == "linear":
         raise ConfigError(f"model.name: 'linear' is a regression model; dataset {cfg.dataset.name!r} has class labels, "
-                          "so it needs a classifier (mclr, mlp, lenet5, lenet5_bn or cnn_bn)")
+                          f"so it needs a classifier ({classifier_list()})")
     check_protocol(cfg, ds.task)
 
 

@@ -330,3 +330,76 @@ def test_under_a_distribution_shift_both_test_sets_follow_the_current_data(tmp_p
     np.testing.assert_array_equal(cm["proportional"][2], p_n)
     np.testing.assert_allclose(cm["proportional"][1], p_acc, atol=1e-6)
     np.testing.assert_allclose(cm["proportional"][0], p_loss, rtol=1e-5)
+
+
+@pytest.mark.parametrize("shared", [1, 2, 3])  # layers every client shares: body + personal head, + 2 personal, all
+def test_a_shared_body_runs_once_and_equals_the_per_client_forward(shared):
+    """FedRep/FedPer's models: the leading layers are one broadcast value, the rest per client;
+    the body is computed once on the union of the rows and each client's personal layers on it
+    (a one-layer head as one GEMM); any subset of clients at a time gives the same outputs."""
+    from flockfl.aggregation import broadcast
+    from flockfl.engine.evaluate import OwnOutputs
+    from models import init_params
+    from flockfl.engine.functional import stack
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 12), torch.nn.ReLU(), torch.nn.Linear(12, 8),
+                                torch.nn.ReLU(), torch.nn.Linear(8, 10))
+    n = 6
+    params = stack([init_params(model, torch.Generator().manual_seed(i)) for i in range(n)])
+    layers = ["1", "3", "5"][:shared]
+    one = broadcast({k: v[:1] for k, v in params.items()}, n)
+    params = {k: one[k] if k.split(".")[0] in layers else v for k, v in params.items()}
+    x = torch.randn(50, 1, 8, 8)
+    index = [torch.arange(0, 40), torch.arange(3, 50), torch.zeros(0, dtype=torch.long), torch.arange(45, 50),
+             torch.tensor([5, 2, 9, 2]), torch.arange(50)]
+    run = OwnOutputs(model, params, x, index)
+    assert run.x.shape[0] == 50 and run.layers == ["1", "3", "5"][shared:]  # the body ran, once
+    for which in (None, np.array([4, 1]), np.array([5])):
+        outs = run(which)
+        for j, i in enumerate(range(n) if which is None else which):
+            want = functional_call(model, {k: v[i] for k, v in params.items()}, (x[index[i]],))
+            torch.testing.assert_close(outs[j], want, rtol=1e-5, atol=1e-6)
+
+
+def test_own_models_reduced_in_small_groups_equal_per_client_copies(tmp_path, monkeypatch):
+    """Memory holds one group of outputs (``ABSORB_ROWS``), whatever the chunk: the sums are the same."""
+    from flockfl import evaluation
+    from flockfl.evaluation import measure_own, row_groups
+
+    assert [g.tolist() for g in row_groups([3, 4, 9, 1, 1], 5)] == [[0], [1], [2], [3, 4]]
+    assert row_groups([], 5) == []
+    prep = prepare(cfg_of(partition=PARTITIONS["rotated"], algorithm={"name": "fedrep", "head_epochs": 1},
+                          train={"rounds": 2}), tmp_path)
+    state = run_rounds(prep)
+    clients = prep.ctx.seen
+    own = prep.algorithm.own_models(state, prep.ctx, clients, np.zeros(len(clients), np.int64))
+    whole = measure_own(prep.ctx, own, clients)
+    monkeypatch.setattr(evaluation, "ABSORB_ROWS", 97)
+    monkeypatch.setattr(evaluation.row_groups, "__defaults__", (97,))
+    grouped = measure_own(prep.ctx, own, clients)
+    loss, acc, n = hand_label_union(prep, lambda i: {k: v[i] for k, v in own.items()}, clients)
+    for cm in (whole, grouped):
+        np.testing.assert_array_equal(cm["label_union"][2], n)
+        np.testing.assert_allclose(cm["label_union"][1], acc, atol=1e-12)
+        np.testing.assert_allclose(cm["label_union"][0], loss, rtol=1e-5)
+        for ts in ("proportional", "label_union"):
+            np.testing.assert_allclose(cm[ts][0], whole[ts][0], rtol=1e-6)
+
+
+def test_clients_never_trained_take_their_personal_metrics_from_the_global_model(tmp_path):
+    """Ditto: a client whose personal row was never written has the global w as its model, so
+    only the written rows are measured one by one; the result is every client measured alone."""
+    from flockfl.evaluation import measure_own
+
+    prep = prepare(cfg_of(partition=PARTITIONS["dirichlet"], algorithm={"name": "ditto"},
+                          train={"rounds": 1, "clients_per_round": 4, "eval_chunk": 5}), tmp_path)
+    state = run_rounds(prep)
+    ctx, alg = prep.ctx, prep.algorithm
+    clients = ctx.seen
+    written = state.algo["personal"].written(clients)
+    assert 0 < written.sum() < len(clients)
+    got = alg.chunk_metrics(state, ctx, clients, np.zeros(len(clients), np.int64))[""]
+    want = measure_own(ctx, alg.own_models(state, ctx, clients, np.zeros(len(clients), np.int64)), clients)
+    for ts in ("proportional", "label_union"):
+        for a, b in zip(got[ts], want[ts]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

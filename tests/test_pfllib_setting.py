@@ -250,3 +250,48 @@ def test_the_pfllib_table_is_covered_by_the_generic_repro_checks(tmp_path):
         assert (c.eval.test_set, c.eval.average, c.eval.report) == ("proportional", "samples", "best")
     schemes = {ch.cfg.partition.scheme for ch in plan.sweep.children}
     assert schemes == {"pfllib_pat", "dirichlet"}
+
+
+# ---------------------------------------------------------------------- evaluation under the local split
+
+def test_a_local_split_measures_no_label_union_and_summarises(tmp_path):
+    """test_split=local: the clients' own held-out samples are the only test set, so no
+    label_union metric is computed or logged; the summary and its reports still work."""
+    from flockfl.evaluation import summarise
+    from flockfl.rounds import prepare, run_rounds
+
+    cfg = validate(tiny_config(partition={"scheme": "iid", "num_clients": 10, "test_split": "local"},
+                               algorithm={"name": "fedrep"}, train={"rounds": 2, "clients_per_round": 5},
+                               eval={"report": "best"}))
+    prep = prepare(cfg, tmp_path)
+    state = run_rounds(prep)
+    logged = {k for row in state.history for k in row}
+    assert not [k for k in logged if "label_union" in k]
+    assert {"accuracy__proportional__samples", "accuracy_personal__proportional__clients",
+            "accuracy__proportional__clients__best"} <= logged
+    s = summarise(state)
+    assert set(s["reports"]) == {"proportional/samples", "proportional/clients"}
+    assert s["protocol"]["report"] == "best" and 0.0 <= s["metrics"]["accuracy"] <= 1.0
+    assert s["metrics"]["accuracy__proportional__samples__best"] == max(
+        r["accuracy__proportional__samples"] for r in state.history if "accuracy__proportional__samples" in r)
+    # a global test split still measures both
+    glob = run_rounds(prepare(validate(tiny_config(partition={"scheme": "iid", "num_clients": 10},
+                                                   train={"rounds": 1, "clients_per_round": 5})), tmp_path / "g"))
+    assert "accuracy__label_union__samples" in glob.history[-1]
+
+
+# ---------------------------------------------------------------------- pfllib_cnn is a classifier
+
+def test_pfllib_cnn_is_listed_among_the_classifiers(tmp_path):
+    from flockfl.config import classifier_list
+    from flockfl.rounds import check_task
+
+    assert "pfllib_cnn" in classifier_list() and "linear" not in classifier_list()
+    with pytest.raises(ValueError, match=r"needs a classifier \(mclr, .*cnn_bn or pfllib_cnn\)"):
+        validate(tiny_config(model={"name": "linear"}))
+    path = tmp_path / "d.npz"
+    np.savez(path, x=np.zeros(1))
+    cfg = validate(tiny_config(dataset={"name": "npz", "path": str(path)}, model={"name": "linear"}))
+    with pytest.raises(ConfigError, match=r"so it needs a classifier \(.*pfllib_cnn\)"):
+        check_task(cfg, digits())
+    validate(tiny_config(model={"name": "pfllib_cnn"}))  # accepted as a classifier of a classification dataset

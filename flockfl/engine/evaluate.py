@@ -233,15 +233,17 @@ def segment_sums(values: torch.Tensor, lengths: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------- many models, one each
 
 
-def dense_rows(params: dict[str, torch.Tensor], layers: list[str], x: torch.Tensor) -> torch.Tensor:
-    """Outputs of C dense models, each on its own rows: x [C, R, ...] → [C, R, out]."""
+def dense_rows(params: dict[str, torch.Tensor], layers: list[str], x: torch.Tensor, final_relu: bool = False
+               ) -> torch.Tensor:
+    """Outputs of C dense models, each on its own rows: x [C, R, ...] → [C, R, out] (``final_relu``:
+    the layers are the first ones of a longer stack, so the last is followed by its ReLU too)."""
     a = x.reshape(x.shape[0], x.shape[1], -1)
     for i, name in enumerate(layers):
         a = torch.bmm(a, params[f"{name}.weight"].transpose(1, 2))
         b = params.get(f"{name}.bias")
         if b is not None:
             a += b.unsqueeze(1)
-        if i < len(layers) - 1:
+        if i < len(layers) - 1 or final_relu:
             a.clamp_min_(0)
     return a
 
@@ -262,31 +264,112 @@ def padded(x: torch.Tensor, index: list[torch.Tensor]) -> torch.Tensor:
 PAD_ROWS = 1 << 22  # padded rows × features of one batched dense pass (16 MB of float32 inputs)
 
 
-@torch.no_grad()
+def _one_model(t: torch.Tensor) -> bool:
+    """True if stacked ``t`` holds one value for every client (one row, or a broadcast view)."""
+    return t.dim() > 0 and (t.shape[0] == 1 or t.stride(0) == 0)
+
+
+def _layer_of(key: str, layers: list[str]) -> int:
+    return layers.index(key.rsplit(".", 1)[0])
+
+
+class OwnOutputs:
+    """Client i's model (row i of ``params``) on its rows ``x[index[i]]``, for any subset of the
+    clients at a time (:meth:`__call__`), so that a caller can reduce the outputs of a bounded
+    group before asking for the next.
+
+    Dense stacks (MLP, MCLR) run as batched matmuls over groups of clients, and the leading
+    layers whose parameters every client shares (FedRep's, FedPer's, FedBABU's body: a broadcast
+    view, stride 0 on the client axis) run **once**, on the union of the rows the clients need:
+    the per-client work is then the personal layers on the shared features. A one-layer personal
+    part (a head) is one GEMM of the shared features with a group's heads side by side, each
+    client reading its own rows. Other models loop over the clients, each client's rows in
+    cache-sized chunks. The same sums of products as the per-client forward pass, up to float
+    summation order."""
+
+    def __init__(self, model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, index: list[torch.Tensor]):
+        self.model, self.params, self.x, self.index = model, params, x, index
+        self.layers = dense_layers(model)
+        if self.layers is None or not index:
+            return
+        layers = self.layers
+        shared = 0
+        while shared < len(layers) and all(_one_model(v) for k, v in params.items() if _layer_of(k, layers) == shared):
+            shared += 1
+        if shared == 0 or len(index) == 1:
+            return
+        # the shared layers once, on the union of the needed rows
+        need = torch.zeros(len(x), dtype=torch.bool, device=x.device)
+        for idx in index:
+            need[idx] = True
+        rows = torch.nonzero(need).squeeze(1)
+        place = torch.cumsum(need, 0) - 1  # a needed row's place among the needed rows
+        prefix = {k: v[:1] for k, v in params.items() if _layer_of(k, layers) < shared}
+        width = int(np.prod(x.shape[1:])) or 1
+        step = max(1, PAD_ROWS // width)
+        last = shared == len(layers)
+        feats = torch.cat([dense_rows(prefix, layers[:shared], x[rows[a:a + step]].unsqueeze(0), not last)[0]
+                           for a in range(0, len(rows), step)])
+        self.x, self.index = feats, [place[idx] for idx in index]
+        self.layers = layers[shared:]
+        self.params = {k: v for k, v in params.items() if _layer_of(k, layers) >= shared}
+
+    @torch.no_grad()
+    def __call__(self, which: Optional[np.ndarray] = None) -> list[torch.Tensor]:
+        which = np.arange(len(self.index)) if which is None else np.asarray(which, np.int64)
+        model, params, x, layers = self.model, self.params, self.x, self.layers
+        index = [self.index[i] for i in which]
+        if layers is None:
+            return [outputs(model, {k: v[i] for k, v in params.items()}, x[self.index[i]]) for i in which]
+        if not layers:  # every layer shared: the features are the outputs
+            return [x[idx] for idx in index]
+        lengths = np.array([len(i) for i in index], np.int64)
+        device = x.device
+        sel_all = torch.from_numpy(which).to(device)
+        if len(layers) == 1 and len(index) and lengths.mean() * 4 >= len(x):
+            return self._head(sel_all, index, layers[0])
+        width = int(np.prod(x.shape[1:])) or 1
+        if len(index) and lengths.max() * len(index) * width <= PAD_ROWS and lengths.max() <= 1.5 * max(lengths.mean(), 1):
+            every = len(which) == len(self.index) and bool((which == np.arange(len(which))).all())
+            mine = params if every else {k: v[sel_all] for k, v in params.items()}
+            out = dense_rows(mine, layers, padded(x, index))  # even lengths: all at once, in order
+            return [out[i, :n] for i, n in enumerate(lengths)]
+        order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
+        res: list[Optional[torch.Tensor]] = [None] * len(index)
+        a = 0
+        while a < len(order):
+            b = a + 1
+            while b < len(order) and (b + 1 - a) * lengths[order[b]] * width <= PAD_ROWS:
+                b += 1
+            group = order[a:b]
+            sel = torch.from_numpy(which[group]).to(device)
+            out = dense_rows({k: v[sel] for k, v in params.items()}, layers, padded(x, [index[i] for i in group]))
+            for j, i in enumerate(group):
+                res[i] = out[j, :lengths[i]]
+            a = b
+        return res  # type: ignore[return-value]
+
+    def _head(self, sel: torch.Tensor, index: list[torch.Tensor], name: str) -> list[torch.Tensor]:
+        """One Linear per client on the shared features: every feature row under a group of
+        clients' heads side by side (one GEMM), each client keeping its own rows."""
+        x, w, b = self.x, self.params[f"{name}.weight"], self.params.get(f"{name}.bias")
+        feats = x.reshape(len(x), -1)
+        k = w.shape[1]
+        group = max(1, PAD_ROWS // max(len(x) * k, 1))
+        res = []
+        for a in range(0, len(index), group):
+            s = sel[a:a + group]
+            ws = w[s]  # [G, K, H]
+            out = (feats @ ws.reshape(-1, ws.shape[-1]).T).reshape(len(x), len(s), k)
+            if b is not None:
+                out += b[s].unsqueeze(0)
+            for j in range(len(s)):
+                res.append(out[index[a + j], j])
+        return res
+
+
 def own_outputs(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, index: list[torch.Tensor]
                 ) -> list[torch.Tensor]:
     """Client i's model (row i of ``params``) on its rows ``x[index[i]]``: one output tensor per
-    client. Dense stacks run as batched matmuls over groups of clients (padded rows, at most
-    :data:`PAD_ROWS` input values per group); other models client by client."""
-    layers = dense_layers(model)
-    if layers is None:
-        return [outputs(model, {k: v[i] for k, v in params.items()}, x[idx]) for i, idx in enumerate(index)]
-    width = int(np.prod(x.shape[1:])) or 1
-    lengths = np.array([len(i) for i in index], np.int64)
-    if len(index) and lengths.max() * len(index) * width <= PAD_ROWS and lengths.max() <= 1.5 * max(lengths.mean(), 1):
-        out = dense_rows(params, layers, padded(x, index))  # even lengths: all at once, in order
-        return [out[i, :n] for i, n in enumerate(lengths)]
-    order = np.argsort(lengths, kind="stable")  # similar lengths together: little padding
-    res: list[Optional[torch.Tensor]] = [None] * len(index)
-    a = 0
-    while a < len(order):
-        b = a + 1
-        while b < len(order) and (b + 1 - a) * lengths[order[b]] * width <= PAD_ROWS:
-            b += 1
-        group = order[a:b]
-        sel = torch.from_numpy(group).to(next(iter(params.values())).device)
-        out = dense_rows({k: v[sel] for k, v in params.items()}, layers, padded(x, [index[i] for i in group]))
-        for j, i in enumerate(group):
-            res[i] = out[j, :lengths[i]]
-        a = b
-    return res  # type: ignore[return-value]
+    client (:class:`OwnOutputs`, every client at once)."""
+    return OwnOutputs(model, params, x, index)()
