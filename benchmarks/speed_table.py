@@ -22,6 +22,15 @@ client, a forward pass over its test split, cross-entropy and accuracy. Its BN m
 
 ``NAME:K`` runs a workload with K clients per round (``cnn_bn:50``).
 
+Threads: ``--threads 0`` is flockfl's default (the cores, at most 4: 2 here). On this shared
+2-core machine, with another process busy, two threads made every small op wait for the
+descheduled one (W1's plain loop 57 s a round at 2 threads, 0.34 s at 1); when the machine is
+quieter two threads are faster. Compare rows of one run only, and give ``--threads`` to pin it.
+The thread count changes the bits of some reductions (the digest corpus fails at 1 thread), so
+flockfl's default is not chosen by load; ``train.threads`` sets it.
+``FLOCKFL_CONV_LAYOUT=channels_last`` runs the vectorised convolutions channels-last (faster,
+other bits; see ``flockfl.engine.functional._conv_format``).
+
 Usage: python benchmarks/speed_table.py [--workloads w1,lenet5,cnn_bn] [--rounds 5] [--threads 0]
                                         [--device cpu|cuda] [--engine auto] [--fmnist DIR]
 """
@@ -227,7 +236,9 @@ def main() -> None:
         print(f"# {spec}: engine={r['engine']} ({r['reason']}); final accuracy plain {r['acc_plain']:.3f}, "
               f"flockfl {r['acc_flockfl']:.3f}", flush=True)
     print()
-    print(f"device={args.device} threads={torch.get_num_threads()} cores={os.cpu_count()} torch {torch.__version__}; "
+    layout = os.environ.get("FLOCKFL_CONV_LAYOUT", "contiguous")
+    print(f"device={args.device} threads={torch.get_num_threads()} cores={os.cpu_count()} conv layout={layout} "
+          f"torch {torch.__version__}; "
           f"median of {args.rounds - 1} rounds (first left out); ratio = plain ÷ flockfl")
     print()
     print("| workload | engine | train: plain s | train: flockfl s | train ratio | eval: plain s | eval: flockfl s | "

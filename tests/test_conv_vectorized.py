@@ -130,3 +130,23 @@ def test_unknown_layers_fall_back_to_vmap():
 def test_allocator_setting_can_be_left_alone(monkeypatch):
     monkeypatch.setenv("FLOCKFL_MALLOC", "system")
     assert keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("model_name", ["lenet5", "cnn_bn"])
+def test_channels_last_conv_layout_is_opt_in_and_agrees(model_name, monkeypatch):
+    """``FLOCKFL_CONV_LAYOUT=channels_last``: the grouped convolutions run channels-last (other
+    summation order) and still agree with the reference loop; unset, the stacked path is
+    vmap's bit for bit."""
+    data, model, init = cohort(model_name, (1, 28, 28), [12, 7, 20])
+    spec = LocalSpec(np.arange(3), init, 0.05, epochs=1, batch_size=5, momentum=0.5)
+    ref = train_reference(model, spec, data.train, data.task, seed=1, round=0)
+    monkeypatch.delenv("FLOCKFL_CONV_LAYOUT", raising=False)
+    default = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="stacked")
+    func = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="func")
+    assert all(torch.equal(default.params[k], func.params[k]) for k in func.params)
+    monkeypatch.setenv("FLOCKFL_CONV_LAYOUT", "channels_last")
+    cl = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="stacked")
+    assert all(v.is_contiguous() for v in cl.params.values())
+    assert rel_err(cl.params, ref.params) < 1e-5
+    assert rel_err(cl.params, init) > 1e-3
+    np.testing.assert_allclose(cl.loss, ref.loss, rtol=1e-4)

@@ -132,14 +132,18 @@ class PACFL(OneShotClustering):
         return client_signatures(ctx, clients, a.p, a.signature)
 
     def proximity(self, sigs_a: list, sigs_b: list | None = None) -> np.ndarray:
-        """A (square, when ``sigs_b`` is None) or the cross block, in degrees."""
+        """A (square, when ``sigs_b`` is None) or the cross block, in degrees, rounded to 1e-9°:
+        the SVDs behind it come from the installed LAPACK, whose last bits differ between numpy
+        builds; rounded, the matrix (kept in the run state) and the cut do not."""
         m = self.cfg.algorithm.measure
         if m == "class_matched":
             b = sigs_a if sigs_b is None else sigs_b
-            return np.array([[class_matched_angle(u, w) for w in b] for u in sigs_a])
-        if sigs_b is None:
-            return clustering.proximity_matrix(sigs_a, m)
-        return clustering.cross_proximity(sigs_a, sigs_b, m)
+            prox = np.array([[class_matched_angle(u, w) for w in b] for u in sigs_a])
+        elif sigs_b is None:
+            prox = clustering.proximity_matrix(sigs_a, m)
+        else:
+            prox = clustering.cross_proximity(sigs_a, sigs_b, m)
+        return np.round(prox, 9)
 
     def pre_federation(self, state: ServerState, ctx) -> ServerState:
         sigs = self.signatures(ctx, ctx.seen)

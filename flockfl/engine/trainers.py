@@ -126,15 +126,14 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
         total = 0.0
         snap = {n: p.detach().clone() for n, p in net.named_parameters()} if snap_at is not None and snap_at[ci] == 0 else None
         rates = spec.step_rates(round, len(batches[ci]))
+        stepped = [(n, p) for n, p in net.named_parameters() if n not in frozen]  # once per client, not per step
         for s, local in enumerate(batches[ci]):
             idx = torch.from_numpy(local)
             net.zero_grad(set_to_none=True)
             loss = per_sample_loss(net(x_c[idx]), y_c[idx], task).mean()
             loss.backward()
             with torch.no_grad():
-                for n, p in net.named_parameters():
-                    if n in frozen:
-                        continue
+                for n, p in stepped:
                     g = p.grad if p.grad is not None else torch.zeros_like(p)
                     if spec.weight_decay:
                         g = g + spec.weight_decay * p
@@ -312,7 +311,15 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
 def configure_threads(threads: int = 0) -> int:
     """Set torch's intra-op threads deliberately (0 = the cores we may use, at most 4, and at
     most ``FLOCKFL_MAX_THREADS`` when set: ``flock sweep --parallel N`` shares the cores), and
-    keep freed tensor memory for reuse (:func:`keep_freed_memory`)."""
+    keep freed tensor memory for reuse (:func:`keep_freed_memory`).
+
+    Measured (benchmarks/speed_table.py, 2-core CPU shared with other sessions): with another
+    busy process, two threads were up to 70x slower than one on the plain loop and 6-20x on the
+    W1 trainer (each small op waits for the descheduled second thread); on a quieter machine two
+    threads were faster (W1 trainer 0.070 s a round vs 0.118 s at one). The default stays the cores: the
+    thread count changes the bits of some reductions (the digest corpus, recorded at 2 threads,
+    fails at 1), and a choice by load would make a run's bits depend on the load. Set
+    ``train.threads: 1`` on a shared machine."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     cap = int(os.environ.get("FLOCKFL_MAX_THREADS") or 4)
     n = threads or max(1, min(cap, 4, cores))
