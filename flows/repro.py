@@ -236,14 +236,14 @@ def cell_values(plan: ReproPlan) -> dict[tuple[str, str], dict[str, list[float]]
 
 def summary_metrics(summary: dict) -> dict:
     """A run's metrics, with every convention's ``accuracy`` under the run's report mode added
-    by its logged name (``accuracy__label_union__clients``): ``summarise`` keeps those in
-    ``reports`` (per ``test_set/average``, per mode)."""
+    by its logged name: ``summarise`` reports ``accuracy__label_union__clients__best`` for each
+    mode; a column names ``accuracy__label_union__clients``, read under the run's own mode."""
     metrics = dict(summary.get("metrics") or {})
     mode = (summary.get("protocol") or {}).get("report")
-    for conv, by_mode in (summary.get("reports") or {}).items():
-        test_set, _, average = conv.partition("/")
-        if mode in by_mode:
-            metrics.setdefault(f"accuracy__{test_set}__{average}", by_mode[mode])
+    for key, value in list(metrics.items()):
+        name, _, got = key.rpartition("__")
+        if key.count("__") == 3 and got == mode:
+            metrics.setdefault(name, value)
     return metrics
 
 

@@ -322,7 +322,7 @@ def _slim(summary: dict) -> dict:
     """What sweep.json keeps of a run's summary (enough for the table and the report)."""
     keys = ("run_id", "run_dir", "rounds", "resumed_from_round", "metrics", "state_sha256", "wall_s", "rounds_wall_s",
             "round_s_median", "sweep_wall_s", "phases_s", "bytes_total", "clients_dropped", "rounds_to_target", "sim_time_to_target",
-            "protocol", "reports")
+            "protocol")
     return {k: summary.get(k) for k in keys if k in summary}
 
 

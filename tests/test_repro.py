@@ -99,14 +99,14 @@ def test_a_small_table_end_to_end_and_continued(tmp_path):
     assert json.loads(again.stdout.strip().splitlines()[-1])["cells"] == out["cells"]
 
 
-def test_a_conventions_metric_comes_from_the_runs_reports_under_its_report_mode():
-    """summarise() keeps every convention's accuracy per report mode in ``reports``; a table column
-    naming ``accuracy__proportional__samples`` reads it under the run's own report mode."""
+def test_a_conventions_metric_comes_from_the_runs_metrics_under_its_report_mode():
+    """summarise() reports every convention's accuracy per report mode in its metrics; a table
+    column naming ``accuracy__proportional__samples`` reads it under the run's own report mode."""
     from flows.repro import first_metric, summary_metrics
 
-    summary = {"metrics": {"accuracy": 0.9}, "protocol": {"report": "best"},
-               "reports": {"proportional/samples": {"final": 0.7, "best": 0.8},
-                           "label_union/clients": {"final": 0.6}}}
+    summary = {"metrics": {"accuracy": 0.9, "accuracy__proportional__samples__final": 0.7,
+                           "accuracy__proportional__samples__best": 0.8,
+                           "accuracy__label_union__clients__final": 0.6}, "protocol": {"report": "best"}}
     m = summary_metrics(summary)
     assert first_metric(m, "accuracy__proportional__samples") == 0.8
     assert first_metric(m, "accuracy__label_union__clients") is None  # no 'best' reported for it
