@@ -17,35 +17,79 @@ loop is independent of the trainer, so both trainers agree trivially on (v, α);
 run's trainer, so α = 0 is bit-identical FedAvg. BN statistics (frozen parameters) are not mixed
 by the loop: they follow w.
 
+**Output mixing** (``algorithm.mix=outputs``; default ``params``, the paper's above). The codes
+MLOPTPSU/FedTorch and KarhouTam/FL-bench mix predictions instead of parameters: the personalised
+prediction is ŷ_i(x) = α_i f(x; v_i) + (1 − α_i) f(x; w_i). On every local step, with batch ξ and
+the step's w_i (before its own update):
+
+- w_i ← w_i − η∇f_i(w_i; ξ)   (unchanged: w never sees the mixture);
+- v_i ← v_i − η∇_v ℓ(α_i f(x; v_i) + (1 − α_i) f(x; w_i).detach(), y)   (FL-bench's
+  ``global(x).detach()``: the loss on ŷ moves v only; the α_i factor comes from the chain rule);
+- adaptive α: α_i ← clip(α_i − η_α(∂ℓ(ŷ)/∂α + c·α_i), 0, 1) with the exact derivative of the same
+  loss, ∂ℓ(ŷ)/∂α = mean over ξ of <∂ℓ/∂ŷ, f(x; v_i) − f(x; w_i)> (the parameter-mixing rule's
+  analogue; FedTorch and FL-bench apply their parameter-space formula
+  Σ<v − w, α∇_v + (1 − α)∇_w> here, which is not this loss's derivative; flockfl's choice).
+
+Evaluation then measures ŷ_i with the current w (``accuracy``); α = 0 is FedAvg's prediction.
+There is no single parameter model, so ``train.eval_finetune`` (and ``own_models``) use v_i.
+
 State: rows {v_i, α_i} in a :class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``),
 only the cohort's read and written; a client never seen starts from v = the current w (so
 v̄ = w) and α = ``alpha``. Bytes: FedAvg's 2|w|. Evaluation: ``accuracy`` (= ``accuracy_personal``)
-is v̄_i with the current w; ``accuracy_global`` is w. Newcomers start from the global w.
+is v̄_i with the current w (output mixing: ŷ_i); ``accuracy_global`` is w. Newcomers start from
+the global w.
 """
 
 from __future__ import annotations
 
+import copy
+
+import numpy as np
 import torch
+from torch import nn
+from torch.func import functional_call
 
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import Hyper, real, weighting
+from flockfl.algorithms.hyper import Hyper, choice, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
+from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.schedule import client_batches
+from flockfl.evaluation import measure_own, measure_shared, overlay
 from flockfl.rng import np_rng
 
 ALPHA = "__alpha__"  # the row entry holding α_i
 
 
+def output_mix_step(model, names: list[str], task: str):
+    """``step(v, w, a, x, y)`` of output mixing: (∇_v ℓ(ŷ), ∂ℓ(ŷ)/∂α) with
+    ŷ = a·f(x; v) + (1 − a)·f(x; w).detach(), ℓ the mean loss on (x, y) (one client, plain PyTorch)."""
+
+    def step(v: dict, w: dict, a: float, x, y) -> tuple[dict, float]:
+        with torch.enable_grad():
+            leaves = {k: v[k].detach().requires_grad_(True) for k in names}
+            alpha = torch.tensor(a, dtype=next(iter(v.values())).dtype, device=x.device, requires_grad=True)
+            with torch.no_grad():
+                out_w = functional_call(model, w, (x,))
+            out_v = functional_call(model, {**v, **leaves}, (x,))
+            loss = per_sample_loss(alpha * out_v + (1 - alpha) * out_w, y, task).mean()
+            grads = torch.autograd.grad(loss, [leaves[k] for k in names] + [alpha])
+        return dict(zip(names, grads[:-1])), float(grads[-1])
+
+    return step
+
+
 def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha: torch.Tensor, adaptive: bool,
-                  alpha_lr: float, alpha_l2: float) -> tuple[dict, torch.Tensor]:
-    """One round of APFL's (v_i, α_i) updates for every client of ``spec`` (see the module doc)."""
+                  alpha_lr: float, alpha_l2: float, mix: str = "params") -> tuple[dict, torch.Tensor]:
+    """One round of APFL's (v_i, α_i) updates for every client of ``spec`` (see the module doc;
+    ``mix``: params, the paper's v̄ = αv + (1 − α)w, or outputs, ŷ = α f(x; v) + (1 − α) f(x; w))."""
     names = trained_names(model, spec.init)
     rho, lr = float(spec.momentum), float(spec.lr)
     out_v = {k: x.detach().clone() for k, x in v.items()}
     out_a = alpha.detach().clone()
 
     grad_at = gradient(model, names, task)
+    mixed_at = output_mix_step(model, names, task)
 
     for i, cid in enumerate(spec.clients):
         x_c, y_c = data.client(int(cid))
@@ -57,13 +101,19 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
         bv = {k: torch.zeros_like(w[k]) for k in names}
         for idx in batches:
             xb, yb = x_c[torch.as_tensor(idx, device=x_c.device)], y_c[torch.as_tensor(idx, device=y_c.device)]
-            vbar = {k: a * vi[k] + (1 - a) * w[k] if k in bw else w[k] for k in w}
-            g_bar, g_w = grad_at(vbar, xb, yb), grad_at(w, xb, yb)
+            if mix == "outputs":  # g_v = ∇_v ℓ(ŷ) (the α factor included), d = ∂ℓ(ŷ)/∂α
+                g_v, d_alpha = mixed_at({k: vi[k] if k in bw else w[k] for k in w}, w, a, xb, yb)
+                g_w = grad_at(w, xb, yb)
+            else:  # g_v = ∇_v f(v̄) = α∇f(v̄), d = <v − w, ∇f(v̄)>
+                vbar = {k: a * vi[k] + (1 - a) * w[k] if k in bw else w[k] for k in w}
+                g_bar, g_w = grad_at(vbar, xb, yb), grad_at(w, xb, yb)
+                g_v = {k: a * g_bar[k] for k in names}
+                if adaptive:
+                    d_alpha = sum(float(((vi[k] - w[k]) * g_bar[k]).sum()) for k in names)
             if adaptive:
-                dot = sum(float(((vi[k] - w[k]) * g_bar[k]).sum()) for k in names)
-                a_next = min(1.0, max(0.0, a - alpha_lr * (dot + alpha_l2 * a)))
+                a_next = min(1.0, max(0.0, a - alpha_lr * (d_alpha + alpha_l2 * a)))
             for k in names:
-                bv[k] = rho * bv[k] + a * g_bar[k]
+                bv[k] = rho * bv[k] + g_v[k]
                 bw[k] = rho * bw[k] + g_w[k]
                 vi[k] = vi[k] - lr * bv[k]
                 w[k] = w[k] - lr * bw[k]
@@ -93,6 +143,11 @@ class APFL(PersonalModels):
              note="MLOPTPSU/FedTorch alpha_update and TsingZ0/PFLlib clientapfl.py step α at the local lr"),
         real("alpha_l2", 0.0, "extra term c·α in the α gradient (default 0: the paper; the codes use 0.02)", "c", ge=0,
              source="paper", note="∂f_i(v̄_i)/∂α = <v − w, ∇f_i(v̄_i)>; FedTorch, PFLlib and FL-bench add 0.02α"),
+        choice("mix", "params", ("params", "outputs"), "what the personalised model mixes: params (v̄ = αv + (1−α)w, "
+               "the paper's) or outputs (ŷ = α·f(x; v) + (1−α)·f(x; w), f(x; w) detached in v's loss), in "
+               "training, in the α update and in evaluation", "", source="paper",
+               note="the paper and litian96/ditto's APFL mix parameters; MLOPTPSU/FedTorch and KarhouTam/FL-bench "
+                    "(global(x).detach()) mix outputs"),
     )
     def extra_row(self):
         return {ALPHA: torch.tensor(float(self.hp("alpha")), dtype=torch.float32)}
@@ -103,8 +158,11 @@ class APFL(PersonalModels):
         return {k: got[k] for k in state.models}, got[ALPHA]
 
     def own_models(self, state, ctx, clients, assign):
-        """v̄_i = α_i v_i + (1 − α_i) w with the current global w."""
+        """v̄_i = α_i v_i + (1 − α_i) w with the current global w (output mixing: v_i, the one
+        parameter model a client has of its own; the current w for a client never seen)."""
         v, alpha = self.rows(state, clients)
+        if self.hp("mix") == "outputs":
+            return v
         glob = broadcast(state.models, len(clients))
         return {k: alpha.reshape(-1, *[1] * (x.dim() - 1)) * x + (1 - alpha.reshape(-1, *[1] * (x.dim() - 1))) * glob[k]
                 for k, x in v.items()}
@@ -118,9 +176,48 @@ class APFL(PersonalModels):
         lr = self.hp("alpha_lr")
         v, alpha = personal_pass(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round, v, alpha,
                                  bool(self.hp("adaptive")), self.cfg.train.lr if lr is None else float(lr),
-                                 float(self.hp("alpha_l2")))
+                                 float(self.hp("alpha_l2")), self.hp("mix"))
         spec.meta = {**spec.meta, "personal": {**v, ALPHA: alpha}}
         return spec
 
+    def chunk_metrics(self, state, ctx, clients, assign):
+        """Output mixing: each written client's ŷ_i = α_i f(x; v_i) + (1 − α_i) f(x; w) with the
+        current w; a client never trained has v = w, so its ŷ is w's (measured once, shared).
+        Parameter mixing: :meth:`PersonalModels.chunk_metrics` (v̄_i)."""
+        if self.hp("mix") != "outputs":
+            return super().chunk_metrics(state, ctx, clients, assign)
+        glob = measure_shared(ctx, state.models, np.zeros(len(clients), np.int64), clients)
+        written = state.algo["personal"].written(clients)
+        mine = clients[written]
+        if not len(mine):
+            return {"": glob, "_global": glob}
+        v, alpha = self.rows(state, mine)
+        params = {**{f"v.{k}": x for k, x in v.items()},
+                  **{f"w.{k}": x for k, x in broadcast(state.models, len(mine)).items()}, "alpha": alpha}
+        mixed = copy.copy(ctx)  # the same data, measured through the mixture
+        mixed.model = self.mixture(ctx.model)
+        return {"": overlay(glob, np.flatnonzero(written), measure_own(mixed, params, mine)),
+                "_global": glob}
+
+    def mixture(self, model: nn.Module) -> nn.Module:
+        """The output mixture of ``model`` as one module (kept: the evaluation caches per module)."""
+        if getattr(self, "_mixture", None) is None or self._mixture.inner is not model:
+            self._mixture = OutputMixture(model)
+        return self._mixture
+
     def admit_newcomers(self, state, ctx, newcomers):
         return state, self.eval_assignment(state, ctx)[newcomers], "the global w (v = w, so v̄ = w)"
+
+
+class OutputMixture(nn.Module):
+    """ŷ = alpha·v(x) + (1 − alpha)·w(x): two copies of a model and the weight, so that a stacked
+    parameter dict {``v.*``, ``w.*``, ``alpha``} evaluates it per client (``functional_call``)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "inner", model)  # not a submodule: not in the parameters
+        self.v, self.w = copy.deepcopy(model), copy.deepcopy(model)
+        self.register_buffer("alpha", torch.zeros((), device=next(model.parameters()).device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.alpha * self.v(x) + (1 - self.alpha) * self.w(x)

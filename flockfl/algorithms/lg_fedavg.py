@@ -11,15 +11,39 @@ the PACFL thesis's LeNet-5 with fc2 + fc3 global and conv1, conv2, fc1 local ("3
 global"). ``top:3`` is the official MNIST MLP split, ``bottom:k`` FL-bench's, ``head`` PFLlib's;
 ``all`` is FedAvg and ``none`` local training (0 bytes).
 
-Not implemented: the official code's FedAvg warm start and its best-round-per-user evaluation;
-evaluation uses the current θ^g for every client (the official "average put back" rule), not
-the stale θ^g an unsampled client last saw (PACFL).
+**Warm start** (``algorithm.warm_start_rounds`` = W, default 0: the thesis's LG has none). The
+official code starts LG from a FedAvg checkpoint (``best_400.pt`` of 1000 MNIST rounds): rounds
+0..W−1 here are FedAvg on the whole model, bit for bit (every layer global, no client rows,
+FedAvg's bytes and evaluation). At round W the client rows appear, every client's local layers
+starting from the warm model's (as every official user loads the same checkpoint).
+
+**Evaluation** (``algorithm.refresh_global_at_eval``):
+
+- false (default, the thesis's code MMorafah/PACFL main_lg.py): each client is measured with
+  its own current model, the (θ_i^l, θ_i^g) its last local training left it with; the global
+  layers are stale for a client not sampled since, and a client never sampled has the init (or
+  warm-start) model. The client rows then hold θ_i^g beside θ_i^l (in the
+  :class:`~flockfl.clientstate.ClientTable`, only the cohort's read and written); training
+  always loads the current θ^g, so the trained models do not depend on this key.
+- true (the official pliang279/LG-FedAvg "written into all users' models"): every client with
+  the current θ^g and its own θ_i^l.
+
+``train.eval_finetune`` starts from the model the client is measured with; a newcomer gets the
+current θ^g and the init (warm) local layers.
+
+Not implemented: the official code's best-round-per-user evaluation (chosen on test data).
 """
 
 from __future__ import annotations
 
-from flockfl.algorithms.hyper import sourced, weighting
+import numpy as np
+import torch
+
+from flockfl.aggregation import broadcast, weighted_mean
+from flockfl.algorithms.base import Algorithm
+from flockfl.algorithms.hyper import Hyper, integer, sourced, weighting
 from flockfl.algorithms.personal import PartialSharing, partition_key
+from flockfl.clientstate import ClientTable
 
 
 class LGFedAvg(PartialSharing):
@@ -35,6 +59,104 @@ class LGFedAvg(PartialSharing):
                               "2 global)", "θ^g"),
                 "thesis", "LeNet-5 with 3 local and 2 global layers, fc2 + fc3 (MMorafah/PACFL main_lg.py: the last 4 "
                           "state_dict keys); the official MNIST code: top:3"),
+        integer("warm_start_rounds", 0, "rounds of FedAvg on the whole model before LG starts (every layer global; "
+                "default 0: the thesis's LG has no warm start)", "W", ge=0, source="thesis",
+                note="MMorafah/PACFL main_lg.py starts LG from the init; the official pliang279/LG-FedAvg warm-starts "
+                     "from FedAvg (best_400.pt of 1000 MNIST rounds, best_1200.pt of 2000 CIFAR rounds)"),
+        Hyper("refresh_global_at_eval", False, "evaluate every client with the current global layers θ^g (true), or "
+              "with its own model as its last local training left it, stale θ_i^g included (default false: the "
+              "thesis's code)", "", "bool", source="thesis",
+              note="MMorafah/PACFL main_lg.py measures each client's own current model (unsampled clients keep "
+                   "stale global layers); the official pliang279/LG-FedAvg writes θ^g into all users' models: true"),
     )
     layers_key = "global_layers"
     key_names_personal = False
+
+    # ------------------------------------------------------------------ state
+    def warm(self, state) -> bool:
+        """A warm-start round: local layers exist but no client rows yet (so every layer is global)."""
+        return bool(self.names(state)) and "personal" not in state.algo
+
+    def stale(self, state) -> bool:
+        """The client rows hold each client's last global layers (``refresh_global_at_eval`` false)."""
+        return "personal" in state.algo and len(state.algo["personal"].names) > len(self.names(state))
+
+    def with_rows(self, state, num_clients: int):
+        """``state`` with the client rows: the local layers (and, measured stale, the global ones),
+        every client's default row the server model's (the init, or the warm-start model)."""
+        names = set(self.names(state))
+        keys = [k for k in state.models if k in names or not self.hp("refresh_global_at_eval")]
+        table = ClientTable(num_clients, {k: state.models[k][0] for k in keys})
+        return state.replace(algo={**state.algo, "personal": table})
+
+    def init_state(self, ctx):
+        state = Algorithm.init_state(self, ctx)
+        state = state.replace(meta={**state.meta, "personal_layers": self.personal_names(ctx.model)})
+        if not self.names(state) or int(self.hp("warm_start_rounds")) > 0:
+            return state
+        return self.with_rows(state, ctx.num_clients)
+
+    def before_training(self, state, ctx, clients, round):
+        """The end of the warm start: the client rows appear, from the warm FedAvg model."""
+        if self.warm(state) and round >= int(self.hp("warm_start_rounds")):
+            return self.with_rows(state, ctx.num_clients)
+        return state
+
+    # ------------------------------------------------------------------ rounds
+    def train_models(self, state, clients) -> dict[str, torch.Tensor]:
+        """Where training starts: the current θ^g (broadcast) + each client's θ_i^l."""
+        clients = np.asarray(clients, np.int64)
+        out = broadcast(state.models, len(clients))
+        if "personal" in state.algo:
+            rows = state.algo["personal"].gather(clients, next(iter(state.models.values())).device)
+            out.update({k: rows[k] for k in self.names(state)})
+        return out
+
+    def local_spec(self, state, ctx, clients, round):
+        spec = Algorithm.local_spec(self, state, ctx, clients, round)
+        if not self.warm(state):  # warm: FedAvg's spec
+            spec.init = self.train_models(state, clients)
+        return spec
+
+    def aggregate(self, state, ctx, spec, result, assign):
+        """Warm: FedAvg. Then the weighted mean of the global layers, and the trained clients'
+        rows (their θ_i^l, and measured stale their uploaded θ_i^g)."""
+        if self.warm(state):
+            return Algorithm.aggregate(self, state, ctx, spec, result, assign)
+        names = set(self.names(state))
+        shared = {k: v for k, v in result.params.items() if k not in names}
+        models = {k: v.clone() for k, v in state.models.items()}
+        if shared:
+            mean = weighted_mean(shared, self.weights(result, np.arange(len(result.clients))))
+            for k in shared:
+                models[k][0] = mean[k]
+        new = self._with_assignments(state, models, result.clients, assign)
+        if "personal" in state.algo:
+            table = state.algo["personal"]
+            new = new.replace(algo={**state.algo, "personal": table.scatter(
+                result.clients, {k: result.params[k] for k in table.order})})
+        return new
+
+    def comm_bytes(self, state, clients):
+        if self.warm(state):
+            return Algorithm.comm_bytes(self, state, clients)
+        return super().comm_bytes(state, clients)
+
+    # ------------------------------------------------------------------ evaluation
+    def own_models(self, state, ctx, clients, assign):
+        """The model a client is measured (and fine-tuned) with: stale, its row as its last local
+        training left it (the init or warm model if never sampled; a newcomer: the current θ^g
+        and the init local layers); refreshed, the current θ^g + its θ_i^l."""
+        if not self.stale(state):
+            return self.train_models(state, clients)
+        clients = np.asarray(clients, np.int64)
+        device = next(iter(state.models.values())).device
+        rows = state.algo["personal"].gather(clients, device)
+        new = np.isin(clients, ctx.unseen)
+        if new.any():
+            pick = torch.from_numpy(new).to(device)
+            names = set(self.names(state))
+            for k, v in state.models.items():
+                if k not in names:
+                    rows[k] = torch.where(pick.reshape(-1, *[1] * (v.dim() - 1)), v[:1].expand_as(rows[k]), rows[k])
+        return rows

@@ -16,10 +16,22 @@ loop that both trainers call, so they agree trivially. Plain SGD (no momentum: t
 PACFL's momentum 0.5 shared across the α- and β-steps is not reproduced; ``train.momentum`` is
 ignored). α = 0 is FedAvg at lr β on the D' batches.
 
-Evaluation: ``accuracy`` (= ``accuracy_personal``) is w after ``adapt_steps`` (default 1, the
-paper) SGD steps at lr α on the client's *training* batches (size B, stream (seed, round,
-client, ``perfedavg_adapt``)), run by the run's trainer; ``accuracy_global`` is w. No per-client
-state. Newcomers adapt the same way (``train.finetune_epochs`` epochs of SGD from the adapted w).
+Evaluation (``eval_model``): ``accuracy`` (= ``accuracy_personal``) is
+
+- ``adapt`` (default, the paper): w after ``adapt_steps`` (default 1) SGD steps at lr α on the
+  client's *training* batches (size B, stream (seed, round, client, ``perfedavg_adapt``)), run by
+  the run's trainer (PFLlib's evaluation: one step on one training batch);
+- ``finetune`` (KarhouTam/FL-bench, whose ``finetune_epoch`` is at least 1): w after one epoch of
+  full-model SGD at lr α on the client's training data (batches of B, stream ``perfedavg_finetune``);
+- ``last_local`` (the PACFL thesis's code, MMorafah/PACFL): the client's model after its last
+  local training (its w^i after the meta-steps of the last round it was sampled in), with no
+  extra step. Those models are kept per client in a :class:`~flockfl.clientstate.ClientTable`
+  (``state.algo['personal']``, written for the clients that trained); a client never trained
+  (and a newcomer) falls back to the current global w.
+
+``accuracy_global`` is w. Plain SGD (no momentum) in every evaluation pass. No per-client state
+but under ``last_local``. Newcomers join with the global w, then take ``train.finetune_epochs``
+epochs of SGD from their evaluation model (adapted, fine-tuned, or w).
 """
 
 from __future__ import annotations
@@ -36,6 +48,9 @@ from flockfl.algorithms.personal import PersonalModels, gradient, run_pass, trai
 from flockfl.client import pass_spec
 from flockfl.engine.schedule import client_batches
 from flockfl.rng import np_rng
+
+
+EVAL_MODELS = ("adapt", "finetune", "last_local")
 
 
 def maml_solver(model, spec, data, task) -> dict[str, torch.Tensor]:
@@ -85,11 +100,31 @@ class PerFedAvg(PersonalModels):
              note="the thesis's Per-FedAvg: β = 1e-3 (FL-bench 1e-3)"),
         real("delta", 0.001, "finite-difference width of the HF variant (default 1e-3: FL-bench)", "δ", gt=0,
              source="code", note="KarhouTam/FL-bench perfedavg.py: δ = 1e-3 (the paper's δ: not verified)"),
-        integer("adapt_steps", 1, "SGD steps at lr α on the client's training data before evaluation (default 1: "
-                "the paper; 0 = the global model)", "", ge=0, source="paper",
+        integer("adapt_steps", 1, "SGD steps at lr α on the client's training data before evaluation under "
+                "eval_model=adapt (default 1: the paper; 0 = the global model)", "", ge=0, source="paper",
                 note="evaluation after one stochastic-gradient step at α on the client's data"),
+        choice("eval_model", "adapt", EVAL_MODELS, "the personal model evaluated: adapt (adapt_steps SGD steps at α "
+               "on training batches), finetune (one epoch of full-model SGD at α on the training data) or "
+               "last_local (the client's model after its last local training, kept per client; the global w for a "
+               "client never trained)", "", source="paper",
+               note="adapt: the paper's one step at α; finetune: KarhouTam/FL-bench finetune_epoch ≥ 1; "
+                    "last_local: MMorafah/PACFL client_per_fedavg.py (the thesis's)"),
     )
-    keeps_rows = False  # the personal model is w adapted at evaluation, never stored
+
+    @property
+    def keeps_rows(self) -> bool:
+        """A per-client table only for ``last_local`` (the other personal models are w adapted at
+        evaluation, never stored)."""
+        return self.hp("eval_model") == "last_local"
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        a = cfg.algorithm
+        mode, steps = getattr(a, "eval_model", "adapt"), getattr(a, "adapt_steps", 1)
+        if mode != "adapt" and steps != 1:
+            raise ValueError(f"algorithm.adapt_steps: {steps} adaptation steps only apply to eval_model=adapt "
+                             f"(eval_model={mode} takes none); drop algorithm.adapt_steps or set eval_model=adapt")
 
     def local_spec(self, state, ctx, clients, round):
         spec = Algorithm.local_spec(self, state, ctx, clients, round)
@@ -100,13 +135,32 @@ class PerFedAvg(PersonalModels):
         return spec
 
     def own_models(self, state, ctx, clients, assign):
-        """w after ``adapt_steps`` steps at lr α on each client's training batches."""
+        """Each client's evaluation model (``eval_model``): w after ``adapt_steps`` steps, or one
+        epoch, at lr α on its training batches; or its last local model (w if it never trained)."""
         clients = np.asarray(clients, np.int64)
+        mode = self.hp("eval_model")
+        if mode == "last_local":
+            return PersonalModels.own_models(self, state, ctx, clients, assign)
         glob = broadcast(state.models, len(clients))
-        if not self.hp("adapt_steps"):
+        if mode == "finetune":
+            spec = pass_spec(self.cfg.train, clients, glob, 1, stream="perfedavg_finetune")
+        elif not self.hp("adapt_steps"):
             return glob
-        spec = pass_spec(self.cfg.train, clients, glob, 1, steps=int(self.hp("adapt_steps")), stream="perfedavg_adapt")
+        else:
+            spec = pass_spec(self.cfg.train, clients, glob, 1, steps=int(self.hp("adapt_steps")),
+                             stream="perfedavg_adapt")
         return run_pass(ctx, state, dataclasses.replace(spec, lr=float(self.hp("alpha"))), state.round).params
 
+    def aggregate(self, state, ctx, spec, result, assign):
+        """w: the mean of the trained clients' w^i; under ``last_local`` those w^i to their rows."""
+        new = Algorithm.aggregate(self, state, ctx, spec, result, assign)
+        if not self.keeps_rows:
+            return new
+        rows = {k: result.params[k] for k in state.models}
+        return new.replace(algo={**state.algo, "personal": state.algo["personal"].scatter(result.clients, rows)})
+
     def admit_newcomers(self, state, ctx, newcomers):
-        return state, self.eval_assignment(state, ctx)[newcomers], "the global w, adapted on own data (α-steps)"
+        rule = {"adapt": "the global w, adapted on own data (α-steps)",
+                "finetune": "the global w, fine-tuned one epoch at α on own data",
+                "last_local": "the global w (a newcomer has no last local model)"}[self.hp("eval_model")]
+        return state, self.eval_assignment(state, ctx)[newcomers], rule

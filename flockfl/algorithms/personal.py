@@ -230,7 +230,7 @@ def trained_names(model: nn.Module, keys) -> list[str]:
 
 class PersonalModels(PartialSharing):
     """A whole personal model per client beside the global model, which is plain FedAvg (Ditto,
-    APFL, pFedMe; Per-FedAvg keeps none: ``keeps_rows = False``). The personal models are rows of
+    APFL, pFedMe; Per-FedAvg keeps none, or its last local models under ``eval_model=last_local``). The personal models are rows of
     a :class:`ClientTable` (``state.algo['personal']``; a client never seen uses the current
     global w); ``local_spec`` puts the cohort's new rows in ``spec.meta['personal']`` and
     ``aggregate`` writes those of the clients that trained. Everything travels as in FedAvg."""

@@ -1,49 +1,73 @@
 """pFedMe — Dinh, Tran, Nguyen, "Personalized Federated Learning with Moreau Envelopes",
 NeurIPS 2020, https://arxiv.org/abs/2006.08848 (code CharlieDinh/pFedMe).
 
-F_i(w) = min_θ {f_i(θ) + (λ/2)‖θ − w‖²}. A selected client starts from w_{i,0} = w_t and, for each
-batch D of its round batch order (stream ``shuffle``, E epochs: PFLlib's R = every batch):
+F_i(w) = min_θ {f_i(θ) + (λ/2)‖θ − w‖²}. A training client starts from w_{i,0} = w_t and, for each
+of its R local rounds r, one batch D of its round batch order (stream ``shuffle``):
 
 - θ̃ ≈ argmin_θ f_i(θ; D) + (λ/2)‖θ − w_{i,r}‖²: K (``inner_steps``) GD steps at η_p
   (``personal_lr``) on that one batch, warm-started from the previous θ̃ (θ = w_t at the start);
+  each step θ ← θ − η_p(∇f_i(θ; D) + λ(θ − w_{i,r}) + μθ), μ = ``inner_l2`` (0: the paper; the
+  official code and PFLlib, FL-bench add μ = 1e-3);
 - w_{i,r+1} = w_{i,r} − ηλ(w_{i,r} − θ̃)  (η = ``train.lr``).
 
-Server: w_{t+1} = (1 − β)w_t + β·Σ p_i w_{i,R} over the cohort (sample-weighted, the official
-code). Only the sampled clients train (PFLlib, FL-bench; the paper has all N train but only
-aggregates S_t, which changes nothing but the unsampled θ̃). No inner μθ term (the paper's;
-the codes add μ = 1e-3). β = 0 freezes w.
+R (``local_rounds``): null = every batch of ``train.local_epochs`` epochs (or ``train.local_steps``
+batches), PFLlib's rule; an integer R = R local rounds of one batch each (the official code's
+``local_epochs`` = 20), the batches drawn from the client's batch order cycling over epochs as
+needed (``train.local_steps`` = R, which is why the two cannot both be set).
+
+Server: w_{t+1} = (1 − β)w_t + β·Σ p_i w_{i,R} over the sampled cohort S_t (sample-weighted,
+the official code). β = 0 freezes w. ``train_all_clients`` (default true: the paper's Algorithm 1
+and the official code) has every federating client (``ctx.seen``; newcomers never train) run
+its local rounds from w_t every round and set its θ̃_i, while only S_t's w_{i,R} are aggregated:
+the global w is the same as with false (only the cohort trains: PFLlib, FL-bench), only the
+unsampled clients' θ̃_i differ. The unsampled clients train after the cohort's aggregation (their
+batch orders come from their own (seed, round, client) streams, so the order is immaterial),
+``train.shard_size`` clients at a time, each chunk's θ̃ written to the client table before the
+next: memory holds one chunk's models, never all N. Bytes: |w| down to every training client
+(all N under ``train_all_clients``), |w| up from S_t.
 
 The inner solve has two nested loops, which LocalSpec cannot express: a per-client plain
 PyTorch loop runs in ``local_spec`` and the round's ``solver`` returns its w_{i,R}, so both
 trainers agree trivially. ``train.momentum`` is ignored (plain GD/SGD, as the paper).
 
 State: θ̃_i (a detached copy after the last inner solve, never aliased with w_{i,R}) in a
-:class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``), cohort rows only; a
-client never seen uses the current w. Bytes: 2|w|. Evaluation: ``accuracy`` (=
-``accuracy_personal``) is θ̃_i (pFedMe-PM), ``accuracy_global`` is w (pFedMe-GM).
+:class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``); a client never trained
+uses the current w. Evaluation: ``accuracy`` (= ``accuracy_personal``) is θ̃_i (pFedMe-PM),
+``accuracy_global`` is w (pFedMe-GM).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import torch
 
 from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import integer, real, weighting
+from flockfl.algorithms.hyper import Hyper, integer, real, weighting
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
+from flockfl.clientstate import chunks
 from flockfl.engine.schedule import client_batches
 from flockfl.rng import np_rng
 
 
-def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_steps: int, p_lr: float):
-    """(w_{i,R}, θ̃_i) of every client of ``spec`` (see the module doc)."""
+def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_steps: int, p_lr: float,
+                mu: float = 0.0):
+    """(w_{i,R}, θ̃_i) of every client of ``spec`` (see the module doc); one local round per batch
+    of the client's schedule (``spec.steps`` = R, or every batch of ``spec.epochs`` epochs)."""
     names = trained_names(model, spec.init)
     out_w = {k: v.detach().clone() for k, v in spec.init.items()}
     out_t = {k: v.detach().clone() for k, v in spec.init.items()}
     lr = float(spec.lr)
 
     grad_at = gradient(model, names, task)
+
+    def inner(theta, g, w):
+        if mu:  # the official pFedMeOptimizer's p.grad + λ(p − w) + μp
+            return {k: theta[k] - p_lr * (g[k] + lam * (theta[k] - w[k]) + mu * theta[k]) if k in g else w[k]
+                    for k in w}
+        return {k: theta[k] - p_lr * (g[k] + lam * (theta[k] - w[k])) if k in g else w[k] for k in w}
 
     for i, cid in enumerate(spec.clients):
         x_c, y_c = data.client(int(cid))
@@ -52,8 +76,7 @@ def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_st
         for b in client_batches(len(x_c), spec, np_rng(seed, round, int(cid), spec.stream), i):
             xb, yb = x_c[torch.as_tensor(b, device=x_c.device)], y_c[torch.as_tensor(b, device=y_c.device)]
             for _ in range(k_steps):
-                g = grad_at(theta, xb, yb)
-                theta = {k: theta[k] - p_lr * (g[k] + lam * (theta[k] - w[k])) if k in g else w[k] for k in w}
+                theta = inner(theta, grad_at(theta, xb, yb), w)
             w = {k: w[k] - lr * lam * (w[k] - theta[k]) if k in names else w[k] for k in w}
         for k in out_w:
             out_w[k][i] = w[k]
@@ -64,6 +87,9 @@ def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_st
 def precomputed(model, spec, data, task):
     """The round's ``solver``: the w_{i,R} that ``local_spec``'s loop computed."""
     return {k: v.clone() for k, v in spec.meta["pfedme_w"].items()}
+
+
+TRAINERS_META = "pfedme_trainers"  # state.meta: how many clients train each round (train_all_clients)
 
 
 class PFedMe(PersonalModels):
@@ -81,21 +107,91 @@ class PFedMe(PersonalModels):
         real("beta", 1.0, "server mixing w ← (1−β)w + β·mean w_i (default 1: the official MNIST comparison; "
              "0 freezes w, > 1 accelerates)", "β", ge=0, source="code",
              note="CharlieDinh/pFedMe README, MNIST comparison: β = 1 (PFLlib's -bt defaults to 0)"),
+        integer("local_rounds", None, "local rounds per training round, each one batch (K inner steps, then the "
+                "w-step), the batches drawn from the client's batch order cycling over epochs (null: every batch of "
+                "train.local_epochs epochs, PFLlib's rule; the official code: 20)", "R", ge=1, optional=True,
+                source="library", note="flockfl keeps TsingZ0/PFLlib's R = every batch of E epochs; "
+                                       "CharlieDinh/pFedMe main.py: R = local_epochs = 20 batches"),
+        real("inner_l2", 0.0, "L2 term μθ added to each inner GD step (default 0: the paper; the official code "
+             "1e-3)", "μ", ge=0, source="paper",
+             note="the paper's inner problem has no μθ; CharlieDinh/pFedMe pFedMeOptimizer adds μ = 1e-3 "
+                  "(PFLlib, FL-bench too)"),
+        Hyper("train_all_clients", True, "every federating client runs its local rounds and sets its θ̃_i each "
+              "round, only the sampled S_t are aggregated (true: the paper's Algorithm 1 and the official code; "
+              "false: only S_t trains, as PFLlib and FL-bench; N/S times less training)", "", "bool",
+              source="paper", note="Algorithm 1: all N clients update, the server samples S_t to aggregate; "
+                                   "CharlieDinh/pFedMe serverpFedMe.py trains every user, then selects"),
     )
-    def local_spec(self, state, ctx, clients, round):
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        r, t = getattr(cfg.algorithm, "local_rounds", None), cfg.train
+        if r is not None and t.local_steps is not None:
+            raise ValueError(f"algorithm.local_rounds: pfedme takes its R local rounds from algorithm.local_rounds={r} "
+                             f"or from train.local_steps={t.local_steps}, not both; drop one of them")
+        if r is not None and t.local_work != "constant":
+            raise ValueError(f"algorithm.local_rounds: R = {r} fixes every client's local rounds, which "
+                             f"train.local_work={t.local_work} would redraw; set train.local_work=constant or drop "
+                             "algorithm.local_rounds")
+
+    def init_state(self, ctx):
+        state = super().init_state(ctx)
+        if not self.hp("train_all_clients"):
+            return state
+        return state.replace(meta={**state.meta, TRAINERS_META: int(len(ctx.seen))})
+
+    def round_spec(self, state, ctx, clients, round):
+        """FedAvg's spec with R local rounds when ``local_rounds`` is set (``steps`` = R)."""
         spec = Algorithm.local_spec(self, state, ctx, clients, round)
-        w, theta = moreau_pass(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round, float(self.hp("lam")),
-                               int(self.hp("inner_steps")), float(self.hp("personal_lr")))
+        r = self.hp("local_rounds")
+        return spec if r is None else dataclasses.replace(spec, steps=int(r), client_epochs=None)
+
+    def solve(self, ctx, spec, round):
+        return moreau_pass(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round, float(self.hp("lam")),
+                           int(self.hp("inner_steps")), float(self.hp("personal_lr")), float(self.hp("inner_l2")))
+
+    def local_spec(self, state, ctx, clients, round):
+        spec = self.round_spec(state, ctx, clients, round)
+        w, theta = self.solve(ctx, spec, round)
         spec.meta = {**spec.meta, "pfedme_w": w, "personal": theta}
+        if self.hp("train_all_clients"):  # a tuple: restricting the spec to its survivors leaves it whole
+            spec.meta.update(pfedme_round=int(round), pfedme_cohort=tuple(int(c) for c in clients))
         spec.solver = precomputed
         return spec
 
     def aggregate(self, state, ctx, spec, result, assign):
-        """w ← (1 − β)w + β·Σ p_i w_{i,R}; θ̃ of the trained clients to their rows."""
+        """w ← (1 − β)w + β·Σ p_i w_{i,R}; θ̃ of the trained clients to their rows; under
+        ``train_all_clients`` the other federating clients' θ̃ (from w_t) too."""
         beta = float(self.hp("beta"))
         mean = weighted_mean(result.params, self.weights(result, np.arange(len(result.clients))))
         models = {k: ((1 - beta) * v[0] + beta * mean[k]).unsqueeze(0) for k, v in state.models.items()}
-        return self.keep_rows(self._with_assignments(state, models, result.clients, assign), state, spec, result)
+        new = self.keep_rows(self._with_assignments(state, models, result.clients, assign), state, spec, result)
+        if self.hp("train_all_clients"):
+            new = self.train_unsampled(new, state, ctx, spec)
+        return new
+
+    def train_unsampled(self, new, state, ctx, spec):
+        """The federating clients outside the round's cohort run their local rounds from the w_t
+        they were sent (``state``), ``train.shard_size`` at a time; their θ̃ go to their rows."""
+        round = int(spec.meta["pfedme_round"])
+        others = np.setdiff1d(np.asarray(ctx.seen, np.int64), np.asarray(spec.meta["pfedme_cohort"], np.int64))
+        table = new.algo["personal"]
+        for part in chunks(others, self.cfg.train.shard_size):
+            _, theta = self.solve(ctx, self.round_spec(state, ctx, part, round), round)
+            table = table.scatter(part, theta)
+        return new.replace(algo={**new.algo, "personal": table})
+
+    def comm_bytes(self, state, clients):
+        """|w| down to every training client (all federating clients under ``train_all_clients``),
+        |w| up from the cohort."""
+        per = self.model_bytes(state)
+        return int(state.meta.get(TRAINERS_META, len(clients))) * per, len(clients) * per
+
+    def sim_round_time(self, state, ctx, clients, steps):
+        """The slowest cohort client's compute + one model each way."""
+        per = self.model_bytes(state)
+        return ctx.system.round_time(clients, steps, per / 1e6, per / 1e6)
 
     def admit_newcomers(self, state, ctx, newcomers):
         return state, self.eval_assignment(state, ctx)[newcomers], "the global w"
