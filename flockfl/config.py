@@ -302,12 +302,17 @@ class EvalConfig(_Section):
     ``report``: which evaluated round ``metrics.accuracy`` is: the ``final`` one, the ``best``
     (NIID-Bench, PFLlib), the best once every client has trained at least once
     (``best_after_all_seen``, FlexCFL), or the ``mean_last`` ``last_k`` evaluations.
+    ``conventions``: ``all`` (default) measures both test sets every evaluation, so one run
+    answers every convention; ``configured`` measures ``label_union`` only when it is the
+    ``test_set`` (a large population of personal models, each run on every test sample of its
+    labels, pays for a convention nobody reads).
     """
 
     test_set: Literal["proportional", "label_union"] = "proportional"
     average: Literal["samples", "clients"] = "samples"
     report: Literal["final", "best", "best_after_all_seen", "mean_last"] = "final"
     last_k: int = Field(10, ge=1)
+    conventions: Literal["all", "configured"] = "all"
 
 
 class TrackingConfig(_Section):

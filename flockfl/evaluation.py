@@ -130,8 +130,12 @@ def label_union_applies(cfg) -> bool:
     """Whether the ``label_union`` convention is measured: not with ``partition.test_split=local``
     (PFLlib's setting), where each client's test set is its own held-out samples and the dataset's
     test set is merged into the clients' data, so there is no shared pool to draw a label union
-    from (``eval.test_set=label_union`` is refused there; its pass cost 24 of 31 s a round)."""
-    return getattr(cfg.partition, "test_split", "global") != "local"
+    from (``eval.test_set=label_union`` is refused there; its pass cost 24 of 31 s a round); nor
+    with ``eval.conventions=configured`` unless it is the configured ``eval.test_set``."""
+    if getattr(cfg.partition, "test_split", "global") == "local":
+        return False
+    ev = getattr(cfg, "eval", None)
+    return ev is None or getattr(ev, "conventions", "all") == "all" or ev.test_set == "label_union"
 
 
 def label_pool(ctx: RunContext) -> TestPool:

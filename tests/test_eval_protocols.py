@@ -119,6 +119,20 @@ def test_every_convention_is_logged_and_the_headline_follows_the_configured_one(
     assert ("accuracy__label_union__clients__best_after_all_seen" in row) == ("all_trained_round" in state.meta)
 
 
+@pytest.mark.parametrize("name", ["fedavg", "ditto"])
+def test_configured_conventions_skip_label_union_unless_it_is_the_test_set(tmp_path, name):
+    base = dict(partition=PARTITIONS["dirichlet"], algorithm={"name": name}, train={"rounds": 2})
+    every = run_rounds(prepare(cfg_of(**base), tmp_path / "all")).history[-1]
+    only = run_rounds(prepare(cfg_of(**base, eval={"conventions": "configured"}), tmp_path / "cfg")).history[-1]
+    assert any("label_union" in k for k in every) and not any("label_union" in k for k in only)
+    for k, v in only.items():  # everything it does measure is what the full evaluation measured
+        if k.startswith(("accuracy", "loss")):
+            assert v == every[k], k
+    lu = run_rounds(prepare(cfg_of(**base, eval={"conventions": "configured", "test_set": "label_union"}),
+                            tmp_path / "lu")).history[-1]
+    assert lu["accuracy"] == every["accuracy__label_union__samples"]
+
+
 def test_samples_average_and_proportional_set_are_the_defaults(tmp_path):
     state = run_rounds(prepare(cfg_of(train={"rounds": 1}), tmp_path))
     row = state.history[-1]
@@ -232,7 +246,8 @@ def test_regression_has_only_the_proportional_test_set(tmp_path):
 
 @pytest.mark.parametrize("setting,needle", [
     ("eval.test_set=everything", "eval.test_set"), ("eval.average=median", "eval.average"),
-    ("eval.report=worst", "eval.report"), ("eval.last_k=0", "eval.last_k")])
+    ("eval.report=worst", "eval.report"), ("eval.last_k=0", "eval.last_k"),
+    ("eval.conventions=some", "eval.conventions")])
 def test_bad_eval_values_exit_2_with_one_line(workdir, setting, needle):
     res = run_flock(["run", "ifca_rotated_digits", "--set", setting], workdir, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
