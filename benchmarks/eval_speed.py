@@ -51,10 +51,13 @@ WORKLOADS = {
 }
 
 
-def config(dataset: dict, model: dict, part: dict, clients: int) -> dict:
+def config(dataset: dict, model: dict, part: dict, clients: int, threads: int = 1) -> dict:
+    # train.threads: prepare() sets torch's threads from it (its default, the cores, would
+    # silently override --threads for both paths)
     return {"name": "eval-speed", "seed": 0, "dataset": dataset, "model": model, "algorithm": {"name": "fedavg"},
             "partition": {"scheme": "shards", "num_clients": clients, "classes_per_client": 2, **part},
-            "train": {"rounds": 1, "clients_per_round": 10, "engine": "vectorized"}, "tracking": {"enabled": False}}
+            "train": {"rounds": 1, "clients_per_round": 10, "engine": "vectorized", "threads": threads},
+            "tracking": {"enabled": False}}
 
 
 def model_flops(model, input_shape) -> float:
@@ -127,7 +130,7 @@ def timed(fn, repeat: int) -> tuple[float, object]:
     return best, out
 
 
-def run(name: str, clients: int, repeat: int, peak: float) -> list[dict]:
+def run(name: str, clients: int, repeat: int, peak: float, threads: int = 1) -> list[dict]:
     import torch
 
     from flockfl.engine.functional import stack
@@ -137,7 +140,8 @@ def run(name: str, clients: int, repeat: int, peak: float) -> list[dict]:
     from models import init_params
 
     ds_cfg, model_cfg, part = WORKLOADS[name]
-    prep = prepare(validate(config(ds_cfg, model_cfg, part, clients)), Path(tempfile.mkdtemp()))
+    prep = prepare(validate(config(ds_cfg, model_cfg, part, clients, threads)), Path(tempfile.mkdtemp()))
+    assert torch.get_num_threads() == max(threads, 1) or threads == 0, 'threads not as asked'
     ctx, data = prep.ctx, prep.ctx.data
     pool = ctx.base_data.pool
     ids = np.arange(ctx.num_clients)
@@ -212,7 +216,7 @@ def main() -> None:
         return subfedavg(args.subfedavg, args.threads)
     peak = peak_flops()
     print(f"threads={args.threads}  peak matmul {peak / 1e9:.1f} GFLOP/s (1024³ float32)  torch {torch.__version__}")
-    rows = [r for w in args.workloads.split(",") for r in run(w, args.clients, args.repeat, peak)]
+    rows = [r for w in args.workloads.split(",") for r in run(w, args.clients, args.repeat, peak, args.threads)]
     head = f"{'workload':<15}{'regime':<8}{'loop s':>9}{'flockfl s':>11}{'ratio':>8}{'rows':>10}{'loop rows':>11}" \
            f"{'MFLOP/row':>11}{'floor s':>10}{'÷ floor':>9}"
     print(head)
