@@ -450,7 +450,11 @@ class ExperimentConfig(_Section):
         return {"seed": self.seed, "dataset": dataset, "partition": part}
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.model_dump(), sort_keys=True).encode()).hexdigest()
+        """The config's identity (a sweep's cells, a scheduled run's folder, the MLflow tag
+        ``flockfl.config_sha256``): the settings that differ from their defaults, so a key added
+        to the schema later, at a default that keeps the old behaviour, does not turn a sweep
+        begun before it into "another sweep"."""
+        return hashlib.sha256(json.dumps(self.model_dump(exclude_defaults=True), sort_keys=True).encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------- parsing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flockfl.errors import ConfigError
-from flockfl.experiments import is_text_key, load_experiment, parse_set
+from flockfl.experiments import is_text_key, load_experiment, parse_set, validate
 
 
 def test_set_keeps_text_for_a_key_declared_as_text(workdir):
@@ -63,3 +63,14 @@ def test_flock_list_describes_every_stage(stage, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["paper"] and d["hyperparameters"] and all(h["key"].startswith(f"{stage}.") for h in d["hyperparameters"])
     assert any(h["allowed"] for h in d["hyperparameters"])
+
+
+def test_the_config_digest_ignores_keys_left_at_their_defaults():
+    # a key added to the schema later (at its default) must not make a sweep begun before it
+    # "another sweep": the digest covers what differs from the defaults
+    from conftest import tiny_config
+
+    plain = validate(tiny_config())
+    assert plain.digest() == validate(tiny_config(eval={"conventions": "all", "last_k": 10})).digest()
+    assert plain.digest() != validate(tiny_config(eval={"conventions": "configured"})).digest()
+    assert plain.digest() != validate(tiny_config(train={"rounds": 7})).digest()
