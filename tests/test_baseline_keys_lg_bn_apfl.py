@@ -8,24 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import tiny_config
-
 from flockfl.errors import ConfigError
-
-
-def cfg_of(name: str, engine: str = "vectorized", **over):
-    from flockfl.experiments import validate
-
-    algo = {"name": name, **over.pop("algorithm", {})}
-    train = {"engine": engine, "eval_finetune": "off", **over.pop("train", {})}
-    return validate(tiny_config(algorithm=algo, train=train, **over))
-
-
-def run(cfg, tmp_path, until=None):
-    from flockfl.rounds import prepare, run_rounds
-
-    prep = prepare(cfg, tmp_path)
-    return prep, run_rounds(prep, until=until)
+from test_personal_models import cfg_of, run  # the personal baselines' one config and run helper
 
 
 def same(a: dict, b: dict) -> None:

@@ -15,27 +15,13 @@ import yaml
 from conftest import assert_resume_bit_identical, run_flock, tiny_config
 
 from flockfl.errors import ConfigError
+from test_personal_models import cfg_of, run  # the personal baselines' one config and run helper
 
 # the digests of the default pfedme and perfedavg runs of the corpus before these keys existed
 # (tests/digest_corpus.py: pfedme, perfedavg variant=hf; both trainers): pfedme with
 # train_all_clients=false, inner_l2=0, local_rounds=null and Per-FedAvg with eval_model=adapt must keep them
 PFEDME_BEFORE = "94007541e70a8f6de94f7ae417553dd195b0d13374801940ab0c34a734c3b509"
 PERFEDAVG_BEFORE = "ab4b6fba797d2906d8651ef67d91a4644f5cb1ae68cbcf54fa2fbb5b926cac0b"
-
-
-def cfg_of(name: str, engine: str = "vectorized", **over):
-    from flockfl.experiments import validate
-
-    algo = {"name": name, **over.pop("algorithm", {})}
-    train = {"engine": engine, "eval_finetune": "off", **over.pop("train", {})}
-    return validate(tiny_config(algorithm=algo, train=train, **over))
-
-
-def run(cfg, tmp_path, until=None):
-    from flockfl.rounds import prepare, run_rounds
-
-    prep = prepare(cfg, tmp_path)
-    return prep, run_rounds(prep, until=until)
 
 
 def assert_same(a: dict, b: dict):

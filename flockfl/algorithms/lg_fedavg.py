@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from flockfl.aggregation import broadcast, weighted_mean
+from flockfl.aggregation import broadcast
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, integer, sourced, weighting
 from flockfl.algorithms.personal import PartialSharing, partition_key
@@ -119,23 +119,11 @@ class LGFedAvg(PartialSharing):
         return spec
 
     def aggregate(self, state, ctx, spec, result, assign):
-        """Warm: FedAvg. Then the weighted mean of the global layers, and the trained clients'
-        rows (their θ_i^l, and measured stale their uploaded θ_i^g)."""
+        """Warm: FedAvg. Then PartialSharing's: the weighted mean of the global layers, and the
+        trained clients' rows (their θ_i^l, and measured stale their uploaded θ_i^g)."""
         if self.warm(state):
             return Algorithm.aggregate(self, state, ctx, spec, result, assign)
-        names = set(self.names(state))
-        shared = {k: v for k, v in result.params.items() if k not in names}
-        models = {k: v.clone() for k, v in state.models.items()}
-        if shared:
-            mean = weighted_mean(shared, self.weights(result, np.arange(len(result.clients))))
-            for k in shared:
-                models[k][0] = mean[k]
-        new = self._with_assignments(state, models, result.clients, assign)
-        if "personal" in state.algo:
-            table = state.algo["personal"]
-            new = new.replace(algo={**state.algo, "personal": table.scatter(
-                result.clients, {k: result.params[k] for k in table.order})})
-        return new
+        return super().aggregate(state, ctx, spec, result, assign)
 
     def comm_bytes(self, state, clients):
         if self.warm(state):

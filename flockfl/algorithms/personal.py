@@ -164,7 +164,8 @@ class PartialSharing(Algorithm):
         return spec
 
     def aggregate(self, state, ctx, spec, result, assign):
-        """The weighted mean of the shared layers; the trained clients' personal layers to their rows."""
+        """The weighted mean of the shared layers; the trained clients' rows (every column of the
+        client table: the personal layers, and whatever else a subclass keeps there) to the table."""
         names = set(self.names(state))
         shared = {k: v for k, v in result.params.items() if k not in names}
         models = {k: v.clone() for k, v in state.models.items()}
@@ -174,8 +175,9 @@ class PartialSharing(Algorithm):
                 models[k][0] = mean[k]
         new = self._with_assignments(state, models, result.clients, assign)
         if "personal" in state.algo:
-            rows = {k: result.params[k] for k in self.names(state)}
-            new = new.replace(algo={**state.algo, "personal": state.algo["personal"].scatter(result.clients, rows)})
+            table = state.algo["personal"]
+            rows = {k: result.params[k] for k in table.order}
+            new = new.replace(algo={**state.algo, "personal": table.scatter(result.clients, rows)})
         return new
 
     def comm_bytes(self, state, clients):
