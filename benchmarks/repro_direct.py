@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--parallel", type=int, default=1)
     ap.add_argument("--json", help="write the table's JSON here")
+    ap.add_argument("--progress", action="store_true",
+                    help="print every evaluated round's accuracy (a run cut short still shows how far it got)")
     args = ap.parse_args(argv)
 
     from flockfl.evaluation import summarise
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             try:
                 prep = prepare(child.cfg, Path(tmp) / "partitions")
-                child.summary = summarise(run_rounds(prep))
+                child.summary = summarise(run_rounds(prep, on_round=progress(child) if args.progress else None))
                 child.summary["wall_s"] = time.perf_counter() - t
                 child.status = "finished"
             except Exception as err:  # one cell failing does not stop the table
@@ -64,6 +66,14 @@ def main(argv=None) -> int:
                 acc = (child.summary or {}).get("metrics", {}).get("accuracy")
                 print(f"  {child.key}: {child.status}" + (f", accuracy {acc:.4f}" if acc is not None else "")
                       + (f" ({child.error})" if child.error else "") + f", {time.perf_counter() - t:.1f} s", flush=True)
+
+        def progress(child):
+            def on_round(state, row) -> None:
+                if row.get("accuracy") is not None:
+                    with lock:
+                        print(f"    {child.key} round {row['round']}: accuracy {row['accuracy']:.4f}, "
+                              f"{row.get('round_time_s', 0):.1f} s", flush=True)
+            return on_round
 
         from flockfl.data.store import build_partition
 

@@ -117,7 +117,7 @@ class PartitionConfig(_Section):
     # ranked by an expert's loss (the rest random); None = off
     difficulty_fraction: Optional[float] = Field(None, ge=0, le=1)
     difficulty_model: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "lenet5_bn", "cnn_bn",
-                              "pfllib_cnn"] = "mclr"  # the expert θ_E
+                              "pfllib_cnn", "pfl_cnn"] = "mclr"  # the expert θ_E
     difficulty_epochs: int = Field(10, ge=1)  # its central training epochs
 
     def resolved_min_size(self) -> int:
@@ -139,8 +139,10 @@ class PartitionConfig(_Section):
 class ModelConfig(_Section):
     # lenet5: thesis Table 3.17 (valid 5×5 convs: 256 FC inputs on 28×28, NIID-Bench's CNN too); lenet5_padded:
     # padding 2 on the first conv (400 FC inputs on 28×28, LeCun's 32×32 geometry); pfllib_cnn: PFLlib's 4-layer
-    # CNN (FedAvgCNN: conv 32, conv 64, FC 512, out; 582,026 parameters on 28×28)
-    name: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "linear", "lenet5_bn", "cnn_bn", "pfllib_cnn"] = "mlp"
+    # CNN (FedAvgCNN: conv 32, conv 64, FC 512, out; 582,026 parameters on 28×28); pfl_cnn: pfl-research's
+    # simple_cnn without dropout (conv 32, conv 64, pool, FC 128, out; benchmarks/pfl_compare.py)
+    name: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "linear", "lenet5_bn", "cnn_bn", "pfllib_cnn",
+                  "pfl_cnn"] = "mlp"
     hidden: int = Field(200, ge=1)
 
 

@@ -171,6 +171,21 @@ def pfllib_cnn(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200
         ("fc", nn.Linear(512, num_outputs))]))
 
 
+def pfl_cnn(input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:
+    """pfl-research's ``simple_cnn`` (its CIFAR-10 benchmark model, benchmarks/model/pytorch/cnn.py):
+    conv 3×3 → 32, ReLU, conv 3×3 → 64, ReLU, max-pool 2, FC → 128, ReLU, FC → out; no padding,
+    so 64·14·14 = 12,544 FC inputs on 32×32 (1,626,442 parameters on CIFAR-10 shapes). Two
+    differences from pfl-research's: no dropout (its 0.25 and 0.5; flockfl's trainers draw no
+    per-step masks) and PyTorch's default initialisation instead of Glorot-uniform weights.
+    Channels-first input (pfl's takes NHWC and transposes)."""
+    c, h, w = input_shape if len(input_shape) == 3 else (1, *input_shape[-2:])
+    hw = ((h - 4) // 2) * ((w - 4) // 2)
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(c, 32, 3)), ("relu1", nn.ReLU()), ("conv2", nn.Conv2d(32, 64, 3)), ("relu2", nn.ReLU()),
+        ("pool", nn.MaxPool2d(2)), ("flatten", nn.Flatten()), ("fc1", nn.Linear(64 * hw, 128)), ("relu3", nn.ReLU()),
+        ("fc", nn.Linear(128, num_outputs))]))
+
+
 def linear(input_shape: tuple[int, ...], num_outputs: int = 1, hidden: int = 0) -> nn.Module:
     """Linear regression without bias (IFCA's synthetic model: y = ⟨x, θ⟩)."""
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat_dim(input_shape), num_outputs, bias=False))
@@ -178,7 +193,7 @@ def linear(input_shape: tuple[int, ...], num_outputs: int = 1, hidden: int = 0) 
 
 MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "lenet5_padded": lenet5_padded,
                                                "linear": linear, "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn,
-                                               "pfllib_cnn": pfllib_cnn}
+                                               "pfllib_cnn": pfllib_cnn, "pfl_cnn": pfl_cnn}
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:

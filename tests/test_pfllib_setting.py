@@ -287,11 +287,11 @@ def test_pfllib_cnn_is_listed_among_the_classifiers(tmp_path):
     from flockfl.rounds import check_task
 
     assert "pfllib_cnn" in classifier_list() and "linear" not in classifier_list()
-    with pytest.raises(ValueError, match=r"needs a classifier \(mclr, .*cnn_bn or pfllib_cnn\)"):
+    with pytest.raises(ValueError, match=r"needs a classifier \(mclr, .*cnn_bn, pfllib_cnn or pfl_cnn\)"):
         validate(tiny_config(model={"name": "linear"}))
     path = tmp_path / "d.npz"
     np.savez(path, x=np.zeros(1))
     cfg = validate(tiny_config(dataset={"name": "npz", "path": str(path)}, model={"name": "linear"}))
-    with pytest.raises(ConfigError, match=r"so it needs a classifier \(.*pfllib_cnn\)"):
+    with pytest.raises(ConfigError, match=r"so it needs a classifier \(.*pfllib_cnn or pfl_cnn\)"):
         check_task(cfg, digits())
     validate(tiny_config(model={"name": "pfllib_cnn"}))  # accepted as a classifier of a classification dataset
