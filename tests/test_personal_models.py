@@ -259,3 +259,18 @@ def test_ditto_sequential_draws_its_own_batches_and_interleaved_refuses_other_ep
     with pytest.raises(ConfigError, match="algorithm.personal_epochs: 2 personal epochs cannot interleave"):
         cfg_of("ditto", algorithm={"personal_epochs": 2})
     cfg_of("ditto", algorithm={"personal_epochs": 2, "schedule": "sequential"})
+
+
+def test_a_method_with_its_own_evaluation_model_never_takes_the_global_shortcut():
+    """``chunk_metrics`` measures a never-trained client with the shared global pass only where
+    ``own_models`` gives it exactly w: every PersonalModels subclass that computes its evaluation
+    model itself declares so (``unwritten_rows_are_global = False``)."""
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.algorithms.personal import PersonalModels
+
+    subs = {n: c for n, c in ALGORITHMS.items() if isinstance(c, type) and issubclass(c, PersonalModels)}
+    assert {"ditto", "apfl", "perfedavg", "pfedme"} <= set(subs)
+    for name, cls in subs.items():
+        if cls.own_models is not PersonalModels.own_models:
+            assert cls.unwritten_rows_are_global is False, name
+    assert subs["ditto"].unwritten_rows_are_global and subs["pfedme"].unwritten_rows_are_global

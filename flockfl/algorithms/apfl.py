@@ -126,6 +126,7 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
 
 
 class APFL(PersonalModels):
+    unwritten_rows_are_global = False  # own_models computes the evaluation model (PersonalModels)
     name = "apfl"
     paper = "Deng, Kamani, Mahdavi, Adaptive Personalized Federated Learning, arXiv 2003.13461"
     hyperparameters = (

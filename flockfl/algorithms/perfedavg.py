@@ -85,6 +85,7 @@ def maml_solver(model, spec, data, task) -> dict[str, torch.Tensor]:
 
 
 class PerFedAvg(PersonalModels):
+    unwritten_rows_are_global = False  # own_models computes the evaluation model (PersonalModels)
     name = "perfedavg"
     paper = ("Fallah, Mokhtari, Ozdaglar, Personalized Federated Learning with Theoretical Guarantees: A "
              "Model-Agnostic Meta-Learning Approach, NeurIPS 2020, arXiv 2002.07948")

@@ -239,6 +239,11 @@ class PersonalModels(PartialSharing):
 
     layers_key = ""
     keeps_rows = True
+    # ``own_models`` gives a client never trained exactly the global w (its row's model part is
+    # w, ``personal_rows``), so ``chunk_metrics`` measures those clients with the one shared pass.
+    # A subclass whose evaluation model is computed otherwise (APFL's α-mixture, Per-FedAvg's
+    # adaptation step) sets it False and every client is measured with its own model.
+    unwritten_rows_are_global = True
 
     @classmethod
     def check_config(cls, cfg) -> None:
@@ -292,7 +297,7 @@ class PersonalModels(PartialSharing):
         its personal metrics are its global ones: only the written rows are measured one model
         each (a 10,000-client population trained 1,000 a round has mostly such clients)."""
         glob = measure_shared(ctx, state.models, np.zeros(len(clients), np.int64), clients)
-        if type(self).own_models is not PersonalModels.own_models or "personal" not in state.algo:
+        if not self.unwritten_rows_are_global or "personal" not in state.algo:
             return {"": measure_own(ctx, self.own_models(state, ctx, clients, assign), clients), "_global": glob}
         mine = np.flatnonzero(state.algo["personal"].written(clients))
         own = (measure_own(ctx, self.own_models(state, ctx, clients[mine], assign[mine]), clients[mine])
