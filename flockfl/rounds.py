@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -375,6 +376,9 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
         received = state  # what the cohort downloaded
         engine = pick_engine(prep, state, spec)
         result, dropped = stages.train(prep, spec, engine, round)
+        companion = prep.algorithm.companion_spec(state, prep.ctx, spec, round) if result is not None else None
+        if companion is not None:
+            spec.meta["companions"] = train_companions(prep, stages, companion, engine, round)
         maybe_crash("train", round)
         if result is not None:
             kept = restrict_spec(spec, result.clients)
@@ -389,6 +393,17 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
             maybe_crash("cycle", round)
     metrics = stages.evaluate(prep, state, round) if should_evaluate(prep.cfg, round) else None
     return finish_round(prep, state, work, metrics, time.perf_counter() - t0)
+
+
+def train_companions(prep: PreparedRun, stages: Stages, companion: LocalSpec, engine: str,
+                     round: int) -> Optional[TrainResult]:
+    """The round's companion clients (``Algorithm.companion_spec``) through the train stage; a
+    companion that fails after its retries keeps its old state, and the run says so once."""
+    result, dropped = stages.train(prep, companion, engine, round)
+    if dropped:
+        warnings.warn(f"round {round + 1}: companion clients {sorted(int(c) for c in dropped)} failed to train and keep "
+                      "their previous state", RuntimeWarning, stacklevel=2)
+    return result
 
 
 def needs_pre_federation(prep: PreparedRun, state: ServerState) -> bool:

@@ -14,8 +14,9 @@ import yaml
 
 from conftest import assert_resume_bit_identical, run_flock, tiny_config
 
+from flockfl.algorithms.pfedme import moreau_solver
 from flockfl.errors import ConfigError
-from test_personal_models import cfg_of, run  # the personal baselines' one config and run helper
+from test_personal_models import cfg_of, moreau, run  # the personal baselines' config, run and pFedMe solve helpers
 
 # the digests of the default pfedme and perfedavg runs of the corpus before these keys existed
 # (tests/digest_corpus.py: pfedme, perfedavg variant=hf; both trainers): pfedme with
@@ -115,6 +116,7 @@ def test_local_rounds_takes_exactly_R_inner_solves_of_one_batch_each(tmp_path):
     state = alg.init_state(ctx)
     clients = np.array([2, 7])
     spec = alg.local_spec(state, ctx, clients, 0)
+    out = moreau(ctx, spec)
     for i, c in enumerate(clients):
         x, y = ctx.data.train.client(int(c))
         n = len(y)
@@ -140,12 +142,12 @@ def test_local_rounds_takes_exactly_R_inner_solves_of_one_batch_each(tmp_path):
                 for k, p in net.named_parameters():
                     local[k] = local[k] - lam * lr * (local[k] - p)
         for k, p in net.named_parameters():
-            torch.testing.assert_close(spec.meta["personal"][k][i], p.detach(), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(spec.meta["pfedme_w"][k][i], local[k], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out["personal"][k][i], p.detach(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(out["pfedme_w"][k][i], local[k], rtol=1e-5, atol=1e-6)
     # null: every batch of the epoch, i.e. fewer rounds than R here: another result
     spec0 = alg.__class__(cfg_of("pfedme", algorithm={"inner_steps": K, "lam": lam, "personal_lr": p_lr, "inner_l2": mu},
                                  train={"lr": lr, "batch_size": b})).local_spec(state, ctx, clients, 0)
-    assert not torch.equal(spec0.meta["pfedme_w"]["1.weight"], spec.meta["pfedme_w"]["1.weight"])
+    assert not torch.equal(moreau(ctx, spec0)["pfedme_w"]["1.weight"], out["pfedme_w"]["1.weight"])
 
 
 def test_inner_l2_zero_is_the_paper_and_positive_moves_theta(tmp_path):
@@ -157,8 +159,8 @@ def test_inner_l2_zero_is_the_paper_and_positive_moves_theta(tmp_path):
     theta = {}
     for mu in (0.0, 0.5):
         alg = prep.algorithm.__class__(cfg_of("pfedme", algorithm={"inner_l2": mu}))
-        theta[mu] = alg.local_spec(state, prep.ctx, clients, 0).meta["personal"]
-    base = prep.algorithm.local_spec(state, prep.ctx, clients, 0).meta["personal"]  # the default (μ = 0)
+        theta[mu] = moreau(prep.ctx, alg.local_spec(state, prep.ctx, clients, 0))["personal"]
+    base = moreau(prep.ctx, prep.algorithm.local_spec(state, prep.ctx, clients, 0))["personal"]  # the default (μ = 0)
     assert_same(theta[0.0], base)
     # μθ shrinks θ̃ towards 0
     assert sum(float(v.norm()) for v in theta[0.5].values()) < sum(float(v.norm()) for v in theta[0.0].values())
@@ -181,7 +183,7 @@ def test_train_all_clients_sets_every_theta_but_aggregates_only_the_cohort(tmp_p
     assert_same(every.algo["personal"].gather(cohort), cohort_only.algo["personal"].gather(cohort))
     # an unsampled client's θ̃: its own local rounds from the w_t it was sent
     got = every.algo["personal"].gather(others)
-    assert_same(got, alg.local_spec(init, ctx, others, 0).meta["personal"])
+    assert_same(got, moreau(ctx, alg.local_spec(init, ctx, others, 0))["personal"])
     for k, v in got.items():
         assert not torch.equal(v, init.models[k].expand_as(v)) and not torch.equal(v, every.models[k].expand_as(v))
     per = sum(v[0].numel() * v.element_size() for v in init.models.values())
@@ -189,6 +191,43 @@ def test_train_all_clients_sets_every_theta_but_aggregates_only_the_cohort(tmp_p
     assert (h["bytes_down"], h["bytes_up"]) == (len(seen) * per, len(cohort) * per)
     assert (h0["bytes_down"], h0["bytes_up"]) == (len(cohort) * per, len(cohort) * per)
     assert h["accuracy_global"] == h0["accuracy_global"]
+
+
+def test_unsampled_clients_train_through_the_train_stage_as_companions(tmp_path):
+    """The unsampled clients are trained by the round's train stage (the one the Dask executor
+    distributes), after the cohort, in ``train.shard_size`` shards: two train calls a round, the
+    second with every federating client outside the cohort and the Moreau solver; a failing
+    companion keeps its old θ̃ and the run warns once."""
+    import dataclasses
+
+    from flockfl.rounds import PLAIN, drive_round, prepare
+
+    cfg = cfg_of("pfedme", train={"rounds": 1, "shard_size": 2, "simulate_failures": []})
+    prep = prepare(cfg, tmp_path)
+    alg, ctx = prep.algorithm, prep.ctx
+    calls = []
+
+    def train(prep, spec, engine, round):
+        calls.append((np.asarray(spec.clients).copy(), spec.solver))
+        return PLAIN.train(prep, spec, engine, round)
+
+    state = alg.init_state(ctx)
+    new, _ = drive_round(prep, state, 0, dataclasses.replace(PLAIN, train=train))
+    cohort = alg.select(state, ctx, 0)
+    assert len(calls) == 2 and all(solver is moreau_solver for _, solver in calls)
+    np.testing.assert_array_equal(calls[0][0], cohort)
+    np.testing.assert_array_equal(calls[1][0], np.setdiff1d(ctx.seen, cohort))
+    assert new.algo["personal"].written(np.asarray(ctx.seen)).all()
+
+    # a companion that fails every try: dropped from the companions, warned, its row unwritten
+    others = np.setdiff1d(ctx.seen, cohort)
+    bad = int(others[0])
+    prep_bad = prepare(cfg_of("pfedme", train={"rounds": 1, "shard_size": 2, "simulate_failures": [bad]}), tmp_path)
+    with pytest.warns(RuntimeWarning, match=rf"companion clients \[{bad}\] failed to train"):
+        new_bad, _ = drive_round(prep_bad, prep_bad.algorithm.init_state(prep_bad.ctx), 0)
+    assert not new_bad.algo["personal"].written(np.array([bad]))[0]
+    rest = np.setdiff1d(others, [bad])
+    assert_same(new_bad.algo["personal"].gather(rest), new.algo["personal"].gather(rest))
 
 
 def test_train_all_clients_reference_equals_vectorised_in_any_chunk_size(tmp_path):

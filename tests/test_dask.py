@@ -183,12 +183,14 @@ def test_dask_state_equals_local(cluster, runs, name):
     assert remote["clients_dropped"] == local["clients_dropped"]
     assert remote["metrics"] == local["metrics"]
     assert remote["executor"] == "dask" and local["executor"] == "local"
-    # every round sent three shards' rows, never the data: far below the pickled training set
+    # every round sent three shards' rows, never the data: far below the pickled training set;
+    # pFedMe (train_all_clients) also sends its companions, the 6 unsampled of the 12 clients
     data = _training_bytes(config(name), runs.root)
     for row in history:
-        assert row["executor_shards"] == 3
-        assert 0 < row["executor_bytes_to_workers"] < data / 4, (row["executor_bytes_to_workers"], data)
-        assert 0 < row["executor_bytes_from_workers"] < data / 4
+        shards = row["executor_shards"]
+        assert shards == (6 if name == "pfedme" else 3)
+        assert 0 < row["executor_bytes_to_workers"] / shards < data / 12, (row["executor_bytes_to_workers"], data)
+        assert 0 < row["executor_bytes_from_workers"] / shards < data / 12
     assert remote["executor_bytes_to_workers_median"] > 0
     if name == "scaffold":  # the simulated failures: isolated in the flow, as locally
         assert local["clients_dropped"] > 0 and remote["executor_shards_local"] > 0

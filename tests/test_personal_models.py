@@ -24,6 +24,14 @@ def cfg_of(name: str, engine: str = "vectorized", **over):
     return validate(tiny_config(algorithm=algo, train=train, **over))
 
 
+def moreau(ctx, spec) -> dict:
+    """pFedMe's round solve of ``spec``'s clients as its train shards run it: w_{i,R} and θ̃_i."""
+    from flockfl.algorithms.pfedme import moreau_solver
+
+    w, extra = moreau_solver(ctx.model, spec, ctx.data.train, ctx.data.task)
+    return {"pfedme_w": w, "personal": extra["personal"]}
+
+
 def run(cfg, tmp_path, until=None):
     from flockfl.rounds import prepare, run_rounds
 
@@ -131,7 +139,8 @@ def test_pfedme_beta_zero_freezes_w_and_theta_is_not_aliased(tmp_path):
     init = prep.algorithm.init_state(prep.ctx)
     assert_same(init.models, st.models)
     spec = prep.algorithm.local_spec(init, prep.ctx, np.array([0, 3]), 0)
-    theta, w = spec.meta["personal"], spec.meta["pfedme_w"]
+    out = moreau(prep.ctx, spec)
+    theta, w = out["personal"], out["pfedme_w"]
     assert all(not torch.equal(theta[k], w[k]) for k in w)  # θ̃_i is its own copy, not w_{i,R}
     assert not torch.equal(w["1.weight"], init.models["1.weight"].expand_as(w["1.weight"]))
 

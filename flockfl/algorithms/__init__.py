@@ -46,7 +46,8 @@ def build_algorithm(cfg) -> Algorithm:
     return ALGORITHMS[cfg.algorithm.name](cfg)
 
 
-HOOKS = ("pre_federation", "select", "cycles_per_round", "shift_pool", "before_training", "model_of", "local_spec", "cluster", "aggregate", "eval_assignment", "evaluate", "admit_newcomers")
+HOOKS = ("pre_federation", "select", "cycles_per_round", "shift_pool", "before_training", "model_of", "local_spec",
+         "companion_spec", "cluster", "aggregate", "eval_assignment", "evaluate", "admit_newcomers")
 
 
 # the smaller hooks a stage's default calls: overriding one of them changes the stage

@@ -118,6 +118,14 @@ class Algorithm:
         ``state.meta['cycle']`` and checkpoints after each, so a resume can start mid-round."""
         return 1
 
+    def companion_spec(self, state: ServerState, ctx: RunContext, spec: LocalSpec, round: int) -> LocalSpec | None:
+        """Clients that train this round from the same broadcast ``state`` but do not enter the
+        aggregate (pFedMe's unsampled clients under ``train_all_clients``): the driver trains
+        them through the same train stage as the cohort (sharded, retried, distributed by the
+        executor) after the cohort, and hands their result to ``aggregate`` in
+        ``spec.meta['companions']`` (None if every one of them failed). None: no such clients."""
+        return None
+
     def cycle_candidates(self, state: ServerState, ctx: RunContext, round: int) -> np.ndarray | None:
         """The clients the running cycle of a multi-cycle round draws from (FedCluster: cluster
         σ(K)); a stage that chose the round's cohort once has each cycle train the cohort's

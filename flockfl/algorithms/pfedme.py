@@ -20,15 +20,17 @@ the official code). β = 0 freezes w. ``train_all_clients`` (default true: the p
 and the official code) has every federating client (``ctx.seen``; newcomers never train) run
 its local rounds from w_t every round and set its θ̃_i, while only S_t's w_{i,R} are aggregated:
 the global w is the same as with false (only the cohort trains: PFLlib, FL-bench), only the
-unsampled clients' θ̃_i differ. The unsampled clients train after the cohort's aggregation (their
-batch orders come from their own (seed, round, client) streams, so the order is immaterial),
-``train.shard_size`` clients at a time, each chunk's θ̃ written to the client table before the
-next: memory holds one chunk's models, never all N. Bytes: |w| down to every training client
-(all N under ``train_all_clients``), |w| up from S_t.
+unsampled clients' θ̃_i differ. The unsampled clients are the round's companions
+(``companion_spec``): the driver trains them after the cohort through the same train stage, in
+``train.shard_size`` shards that the executor distributes (their batch orders come from their
+own (seed, round, client) streams, so the order is immaterial), and ``aggregate`` writes their
+θ̃ to the client table. Bytes: |w| down to every training client (all N under
+``train_all_clients``), |w| up from S_t.
 
-The inner solve has two nested loops, which LocalSpec cannot express: a per-client plain
-PyTorch loop runs in ``local_spec`` and the round's ``solver`` returns its w_{i,R}, so both
-trainers agree trivially. ``train.momentum`` is ignored (plain GD/SGD, as the paper).
+The inner solve has two nested loops, which LocalSpec cannot express: the round's ``solver``
+(:func:`moreau_solver`, a per-client plain PyTorch loop) runs in the train shards under either
+trainer and returns w_{i,R} with θ̃_i in the result's meta, so both trainers agree trivially.
+``train.momentum`` is ignored (plain GD/SGD, as the paper).
 
 State: θ̃_i (a detached copy after the last inner solve, never aliased with w_{i,R}) in a
 :class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``); a client never trained
@@ -47,7 +49,6 @@ from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, integer, real, weighting
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
-from flockfl.clientstate import chunks
 from flockfl.engine.schedule import client_batches
 from flockfl.rng import np_rng
 
@@ -84,9 +85,13 @@ def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_st
     return out_w, out_t
 
 
-def precomputed(model, spec, data, task):
-    """The round's ``solver``: the w_{i,R} that ``local_spec``'s loop computed."""
-    return {k: v.clone() for k, v in spec.meta["pfedme_w"].items()}
+def moreau_solver(model, spec, data, task):
+    """The round's ``solver`` (run by either trainer in the train shards): the clients' (w_{i,R},
+    {"personal": θ̃_i}) by :func:`moreau_pass`, with the hyper-parameters in ``spec.meta['pfedme']``."""
+    m = spec.meta["pfedme"]
+    w, theta = moreau_pass(model, spec, data, task, int(m["seed"]), int(m["round"]), float(m["lam"]),
+                           int(m["inner_steps"]), float(m["personal_lr"]), float(m["inner_l2"]))
+    return w, {"personal": theta}
 
 
 TRAINERS_META = "pfedme_trainers"  # state.meta: how many clients train each round (train_all_clients)
@@ -147,40 +152,40 @@ class PFedMe(PersonalModels):
         r = self.hp("local_rounds")
         return spec if r is None else dataclasses.replace(spec, steps=int(r), client_epochs=None)
 
-    def solve(self, ctx, spec, round):
-        return moreau_pass(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round, float(self.hp("lam")),
-                           int(self.hp("inner_steps")), float(self.hp("personal_lr")), float(self.hp("inner_l2")))
+    def moreau_spec(self, state, ctx, clients, round):
+        """The round's spec for ``clients``: their local rounds from w_t, solved by
+        :func:`moreau_solver` inside the train stage (sharded, distributed by the executor)."""
+        spec = self.round_spec(state, ctx, clients, round)
+        spec.meta = {**spec.meta, "pfedme": {"seed": int(ctx.seed), "round": int(round), "lam": float(self.hp("lam")),
+                                             "inner_steps": int(self.hp("inner_steps")),
+                                             "personal_lr": float(self.hp("personal_lr")),
+                                             "inner_l2": float(self.hp("inner_l2"))}}
+        spec.solver = moreau_solver
+        return spec
 
     def local_spec(self, state, ctx, clients, round):
-        spec = self.round_spec(state, ctx, clients, round)
-        w, theta = self.solve(ctx, spec, round)
-        spec.meta = {**spec.meta, "pfedme_w": w, "personal": theta}
-        if self.hp("train_all_clients"):  # a tuple: restricting the spec to its survivors leaves it whole
-            spec.meta.update(pfedme_round=int(round), pfedme_cohort=tuple(int(c) for c in clients))
-        spec.solver = precomputed
-        return spec
+        return self.moreau_spec(state, ctx, clients, round)
+
+    def companion_spec(self, state, ctx, spec, round):
+        """Under ``train_all_clients``, the federating clients outside the cohort: they run their
+        local rounds from the same w_t; only their θ̃ are kept."""
+        if not self.hp("train_all_clients"):
+            return None
+        others = np.setdiff1d(np.asarray(ctx.seen, np.int64), np.asarray(spec.clients, np.int64))
+        return self.moreau_spec(state, ctx, others, round) if len(others) else None
 
     def aggregate(self, state, ctx, spec, result, assign):
         """w ← (1 − β)w + β·Σ p_i w_{i,R}; θ̃ of the trained clients to their rows; under
-        ``train_all_clients`` the other federating clients' θ̃ (from w_t) too."""
+        ``train_all_clients`` the companions' θ̃ (from w_t) too."""
         beta = float(self.hp("beta"))
         mean = weighted_mean(result.params, self.weights(result, np.arange(len(result.clients))))
         models = {k: ((1 - beta) * v[0] + beta * mean[k]).unsqueeze(0) for k, v in state.models.items()}
-        new = self.keep_rows(self._with_assignments(state, models, result.clients, assign), state, spec, result)
-        if self.hp("train_all_clients"):
-            new = self.train_unsampled(new, state, ctx, spec)
-        return new
-
-    def train_unsampled(self, new, state, ctx, spec):
-        """The federating clients outside the round's cohort run their local rounds from the w_t
-        they were sent (``state``), ``train.shard_size`` at a time; their θ̃ go to their rows."""
-        round = int(spec.meta["pfedme_round"])
-        others = np.setdiff1d(np.asarray(ctx.seen, np.int64), np.asarray(spec.meta["pfedme_cohort"], np.int64))
-        table = new.algo["personal"]
-        for part in chunks(others, self.cfg.train.shard_size):
-            _, theta = self.solve(ctx, self.round_spec(state, ctx, part, round), round)
-            table = table.scatter(part, theta)
-        return new.replace(algo={**new.algo, "personal": table})
+        new = self._with_assignments(state, models, result.clients, assign)
+        table = state.algo["personal"].scatter(result.clients, result.meta["personal"])
+        others = spec.meta.get("companions")
+        if others is not None:
+            table = table.scatter(others.clients, others.meta["personal"])
+        return new.replace(algo={**state.algo, "personal": table})
 
     def comm_bytes(self, state, clients):
         """|w| down to every training client (all federating clients under ``train_all_clients``),

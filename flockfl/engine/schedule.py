@@ -64,7 +64,8 @@ class LocalSpec:
     # L2 weight decay ω: g ← g + ω·w before every other term and the momentum (torch.optim.SGD's weight_decay)
     weight_decay: float = 0.0
     lr_schedule: LrSchedule = LrSchedule()  # the rate of each local step (train.lr_schedule)
-    # a closed-form local solver (FedSplit's exact prox): (model, spec, data, task) → stacked params;
+    # a closed-form local solver (FedSplit's exact prox): (model, spec, data, task) → stacked params,
+    # or (params, meta) with stacked per-client extras for TrainResult.meta (pFedMe's θ̃);
     # when set, both trainers use it instead of SGD
     solver: Optional[Callable] = None
     # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a

@@ -63,10 +63,14 @@ def _concat_meta(parts: list):
 
 
 def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str) -> TrainResult:
-    """The result of a closed-form local solver (no steps, no training loss)."""
-    params = spec.solver(model, spec, data, task)
+    """The result of a closed-form local solver (no steps, no training loss). A solver returns
+    the stacked parameters, or (parameters, meta): stacked per-client extras (pFedMe's θ̃_i) that
+    ride in ``TrainResult.meta`` and are concatenated across shards like the parameters."""
+    out = spec.solver(model, spec, data, task)
+    params, meta = out if isinstance(out, tuple) else (out, {})
     n = len(spec.clients)
-    return TrainResult(np.asarray(spec.clients), params, data.sizes[spec.clients], np.zeros(n, np.int64), np.zeros(n))
+    return TrainResult(np.asarray(spec.clients), params, data.sizes[spec.clients], np.zeros(n, np.int64), np.zeros(n),
+                       dict(meta))
 
 
 def stat_names(model: nn.Module) -> list[str]:
