@@ -283,10 +283,13 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
 
     The reference path is timed on up to 3 clients and scaled to the cohort. The vectorised
     path costs a fixed part (schedule, BN calibration over every client's data, results) plus
-    a part per step: it is timed on the whole cohort for 1 and for 1 + k steps (k ≤ 4), and the
-    line through the two is read at the schedule's length (scaling a short run alone would
-    multiply its fixed part by the steps). The probes' results are discarded and they draw
-    from their own RNG purpose.
+    a part per step: it is timed on the whole cohort for 1 and for 1 + k steps (k ≤ 16, each
+    the faster of two tries), and the line through the two is read at the schedule's length
+    (scaling a short run alone would multiply its fixed part by the steps). The per-step cost is
+    a difference of two timings multiplied by the schedule's length, so its noise is what the
+    span k and the two tries keep small: with k = 4 and one try, ±20 ms of noise in the fixed
+    part moved a 100-step estimate by ±0.5 s and picked the slower trainer for ``cnn_bn`` in one
+    run of two. The probes' results are discarded and they draw from their own RNG purpose.
     """
     probe_round = 2**31 - 2  # a round index no real run reaches, so the probe draws its own data orders
     n = len(spec.clients)
@@ -304,9 +307,9 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
         return time.perf_counter() - t0
 
     vectorized(1)  # warm-up (the first vmap call traces, the first convolution picks its kernel)
-    k = min(4, steps - 1)
-    one = vectorized(1)
-    per_step = max(vectorized(1 + k) - one, 0.0) / k if k > 0 else 0.0
+    k = min(16, steps - 1)
+    one = min(vectorized(1), vectorized(1))
+    per_step = max(min(vectorized(1 + k), vectorized(1 + k)) - one, 0.0) / k if k > 0 else 0.0
     vec = one + per_step * (steps - 1)
     choice = "vectorized" if vec <= ref else "reference"
     return choice, {"reference_s_est": ref, "vectorized_s_est": vec, "vectorized_step_s": per_step}
