@@ -23,6 +23,7 @@ from flockfl.context import RunContext, unseen_clients
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine.data import ClientData
 from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
+from flockfl.engine.schedule import restrict
 from flockfl.errors import ConfigError
 from flockfl.evaluation import (ClientMetrics, Protocol, check_protocol, family, measure_own, measure_shared, note_trained,
                                 protocol, report_modes)
@@ -376,14 +377,14 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
         received = state  # what the cohort downloaded
         engine = pick_engine(prep, state, spec)
         result, dropped = stages.train(prep, spec, engine, round)
-        companion = prep.algorithm.companion_spec(state, prep.ctx, spec, round) if result is not None else None
-        if companion is not None:
-            spec.meta["companions"] = train_companions(prep, stages, companion, engine, round)
         maybe_crash("train", round)
         if result is not None:
             kept = restrict_spec(spec, result.clients)
             assign = stages.cluster(prep, state, kept, result)
             state = stages.aggregate(prep, state, kept, result, assign, round)
+            companion = prep.algorithm.companion_spec(received, prep.ctx, spec, round)
+            if companion is not None:
+                state = train_companions(prep, stages, state, companion, engine, round)
         work.add(prep, received, state, spec.clients, dropped, result)
         if c + 1 < cycles:
             work.cycle = c + 1
@@ -395,15 +396,24 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     return finish_round(prep, state, work, metrics, time.perf_counter() - t0)
 
 
-def train_companions(prep: PreparedRun, stages: Stages, companion: LocalSpec, engine: str,
-                     round: int) -> Optional[TrainResult]:
-    """The round's companion clients (``Algorithm.companion_spec``) through the train stage; a
-    companion that fails after its retries keeps its old state, and the run says so once."""
-    result, dropped = stages.train(prep, companion, engine, round)
-    if dropped:
-        warnings.warn(f"round {round + 1}: companion clients {sorted(int(c) for c in dropped)} failed to train and keep "
-                      "their previous state", RuntimeWarning, stacklevel=2)
-    return result
+def train_companions(prep: PreparedRun, stages: Stages, state: ServerState, companion: LocalSpec, engine: str,
+                     round: int) -> ServerState:
+    """The round's companion clients (``Algorithm.companion_spec``) through the train stage, in
+    chunks of ``train.shard_size`` × the executor's workers (one shard per worker at a time),
+    each folded into ``state`` by ``absorb_companions`` before the next trains. A companion
+    that fails after its retries keeps its old state, and the run says so once."""
+    t, ex = prep.cfg.train, prep.cfg.executor
+    size = t.shard_size * (ex.workers if ex.kind == "dask" else 1)
+    lost: list[int] = []
+    for part in chunks(np.arange(len(companion.clients)), size):
+        result, dropped = stages.train(prep, restrict(companion, part), engine, round)
+        lost += [int(c) for c in dropped]
+        if result is not None:
+            state = prep.algorithm.absorb_companions(state, prep.ctx, result)
+    if lost:
+        warnings.warn(f"round {round + 1}: companion clients {sorted(lost)} failed to train and keep their previous "
+                      "state", RuntimeWarning, stacklevel=2)
+    return state
 
 
 def needs_pre_federation(prep: PreparedRun, state: ServerState) -> bool:

@@ -119,12 +119,17 @@ class Algorithm:
         return 1
 
     def companion_spec(self, state: ServerState, ctx: RunContext, spec: LocalSpec, round: int) -> LocalSpec | None:
-        """Clients that train this round from the same broadcast ``state`` but do not enter the
-        aggregate (pFedMe's unsampled clients under ``train_all_clients``): the driver trains
-        them through the same train stage as the cohort (sharded, retried, distributed by the
-        executor) after the cohort, and hands their result to ``aggregate`` in
-        ``spec.meta['companions']`` (None if every one of them failed). None: no such clients."""
+        """Clients that train this round from the same broadcast ``state`` as the cohort ``spec``
+        but do not enter the aggregate (pFedMe's unsampled clients under ``train_all_clients``).
+        After the cohort's aggregate the driver trains them through the same train stage
+        (sharded, retried, distributed by the executor), a chunk at a time, and folds each
+        chunk's result into the new state with :meth:`absorb_companions`, so memory holds one
+        chunk's models, never all of them. None: no such clients."""
         return None
+
+    def absorb_companions(self, state: ServerState, ctx: RunContext, result: TrainResult) -> ServerState:
+        """The state with one chunk of companions' training (``companion_spec``) folded in."""
+        raise NotImplementedError(f"{self.name} names companions but does not absorb them")
 
     def cycle_candidates(self, state: ServerState, ctx: RunContext, round: int) -> np.ndarray | None:
         """The clients the running cycle of a multi-cycle round draws from (FedCluster: cluster

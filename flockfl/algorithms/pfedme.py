@@ -21,11 +21,12 @@ and the official code) has every federating client (``ctx.seen``; newcomers neve
 its local rounds from w_t every round and set its θ̃_i, while only S_t's w_{i,R} are aggregated:
 the global w is the same as with false (only the cohort trains: PFLlib, FL-bench), only the
 unsampled clients' θ̃_i differ. The unsampled clients are the round's companions
-(``companion_spec``): the driver trains them after the cohort through the same train stage, in
-``train.shard_size`` shards that the executor distributes (their batch orders come from their
-own (seed, round, client) streams, so the order is immaterial), and ``aggregate`` writes their
-θ̃ to the client table. Bytes: |w| down to every training client (all N under
-``train_all_clients``), |w| up from S_t.
+(``companion_spec``): after the cohort's aggregate the driver trains them from the same w_t
+through the same train stage, in ``train.shard_size`` shards that the executor distributes
+(their batch orders come from their own (seed, round, client) streams, so the order is
+immaterial), a chunk at a time, each chunk's θ̃ written to the client table before the next
+(``absorb_companions``): memory holds one chunk's models, never all N. Bytes: |w| down to every
+training client (all N under ``train_all_clients``), |w| up from S_t.
 
 The inner solve has two nested loops, which LocalSpec cannot express: the round's ``solver``
 (:func:`moreau_solver`, a per-client plain PyTorch loop) runs in the train shards under either
@@ -175,17 +176,17 @@ class PFedMe(PersonalModels):
         return self.moreau_spec(state, ctx, others, round) if len(others) else None
 
     def aggregate(self, state, ctx, spec, result, assign):
-        """w ← (1 − β)w + β·Σ p_i w_{i,R}; θ̃ of the trained clients to their rows; under
-        ``train_all_clients`` the companions' θ̃ (from w_t) too."""
+        """w ← (1 − β)w + β·Σ p_i w_{i,R}; θ̃ of the trained clients to their rows."""
         beta = float(self.hp("beta"))
         mean = weighted_mean(result.params, self.weights(result, np.arange(len(result.clients))))
         models = {k: ((1 - beta) * v[0] + beta * mean[k]).unsqueeze(0) for k, v in state.models.items()}
         new = self._with_assignments(state, models, result.clients, assign)
+        return self.absorb_companions(new.replace(algo=state.algo), ctx, result)
+
+    def absorb_companions(self, state, ctx, result):
+        """The trained clients' θ̃ to their rows (a companion's w_{i,R} is dropped)."""
         table = state.algo["personal"].scatter(result.clients, result.meta["personal"])
-        others = spec.meta.get("companions")
-        if others is not None:
-            table = table.scatter(others.clients, others.meta["personal"])
-        return new.replace(algo={**state.algo, "personal": table})
+        return state.replace(algo={**state.algo, "personal": table})
 
     def comm_bytes(self, state, clients):
         """|w| down to every training client (all federating clients under ``train_all_clients``),
