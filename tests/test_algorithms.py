@@ -202,3 +202,23 @@ def test_ifca_given_init_loads_k_models(tmp_path):
     with pytest.raises(ConfigError, match="does not hold 2 models"):
         prep3 = prepare(one, tmp_path)
         prep3.algorithm.init_state(prep3.ctx)
+
+
+def test_scaffold_momentum_correction_after_or_inside_the_buffer(tmp_path):
+    """With local momentum the correction c − c_i is added after the buffer by default (NIID-Bench's
+    code) or inside it (accumulated); both trainers agree under each; without momentum the two are
+    the same bits."""
+    from conftest import assert_trainers_agree, tiny_config
+    from flockfl.experiments import validate
+    from flockfl.rounds import prepare, run_rounds
+
+    def cfg(where, momentum, engine="vectorized"):
+        return validate(tiny_config(algorithm={"name": "scaffold", "momentum_correction": where},
+                                    train={"engine": engine, "rounds": 3, "momentum": momentum}))
+
+    for where in ("after", "inside"):
+        assert_trainers_agree(lambda e, w=where: cfg(w, 0.9, e), tmp_path / where)
+    digest = {(w, m): run_rounds(prepare(cfg(w, m), tmp_path / f"{w}{m}")).digest()
+              for w in ("after", "inside") for m in (0.0, 0.9)}
+    assert digest[("after", 0.0)] == digest[("inside", 0.0)]
+    assert digest[("after", 0.9)] != digest[("inside", 0.9)]

@@ -37,6 +37,12 @@ class Scaffold(Algorithm):
         weighting("uniform"),
         choice("option", "II", ("II", "I"), "control-variate update: II (from the local steps) or I (a full gradient at x)"),
         real("server_lr", 1.0, "server learning rate", "η_g", gt=0),
+        choice("momentum_correction", "after", ("after", "inside"),
+               "with local momentum (train.momentum): the correction c − c_i added to each step after the momentum "
+               "buffer, never accumulated (after: NIID-Bench's code) or added to the gradient inside the buffer "
+               "(inside: amplified up to 1/(1 − ρ)); no effect without momentum", "", source="code",
+               note="the paper's SCAFFOLD has no momentum; Xtra-Computing/NIID-Bench train_net_scaffold: SGD step "
+                    "with momentum, then w ← w − lr·(c − c_i)"),
     )
 
     def init_state(self, ctx):
@@ -48,6 +54,7 @@ class Scaffold(Algorithm):
         spec = super().local_spec(state, ctx, clients, round)
         c_i = state.algo["c_clients"].gather(clients, ctx.data.train.x.device)
         spec.correction = {k: state.algo["c"][k].unsqueeze(0) - c_i[k] for k in state.models}
+        spec.correction_after_momentum = self.hp("momentum_correction") == "after"
         return spec
 
     def full_gradient(self, state, ctx, clients: np.ndarray) -> dict[str, torch.Tensor]:

@@ -61,6 +61,10 @@ class LocalSpec:
     prox_anchor: Optional[dict[str, torch.Tensor]] = None  # stacked; default: the initial params
     correction: Optional[dict[str, torch.Tensor]] = None  # stacked per client
     momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round
+    # where ``correction`` enters under momentum: False = into g before the buffer (accumulated);
+    # True = added to the step after it (w ← w − η(buf + corr)), never accumulated (SCAFFOLD as
+    # NIID-Bench's code runs it: torch's SGD step, then w ← w − η(c − c_i)). Same bits without momentum.
+    correction_after_momentum: bool = False
     # L2 weight decay ω: g ← g + ω·w before every other term and the momentum (torch.optim.SGD's weight_decay)
     weight_decay: float = 0.0
     lr_schedule: LrSchedule = LrSchedule()  # the rate of each local step (train.lr_schedule)

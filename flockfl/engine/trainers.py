@@ -143,11 +143,13 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
                         g = g + spec.weight_decay * p
                     if spec.mu_of(n):
                         g = g + spec.mu_of(n) * (p - anchor[n])
-                    if spec.correction is not None:
+                    if spec.correction is not None and not (spec.momentum and spec.correction_after_momentum):
                         g = g + spec.correction[n][ci]
                     if spec.momentum:
                         buf[n] = spec.momentum * buf[n] + g
                         g = buf[n]
+                        if spec.correction is not None and spec.correction_after_momentum:
+                            g = g + spec.correction[n][ci]
                     if spec.masks is not None and n in spec.masks:
                         g = g * spec.masks[n][ci]
                     p.sub_(rates[s] * g)
@@ -266,11 +268,14 @@ class _GradientTerms:
                 gk = gk + self.spec.weight_decay * params[k]
             if self.anchor is not None and self.spec.mu_of(k):
                 gk = gk + self.spec.mu_of(k) * (params[k] - self.anchor[k])
-            if self.corr is not None:
+            after = self.buf is not None and self.spec.correction_after_momentum
+            if self.corr is not None and not after:
                 gk = gk + self.corr[k]
             if self.buf is not None:
                 self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
                 gk = self.buf[k]
+                if self.corr is not None and after:
+                    gk = gk + self.corr[k]
             out[k] = gk * mask
         return out
 
