@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from gpu_speed import sync  # a CUDA synchronise around each timing (benchmarks/ is this script's path)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (32, 32, 3)  # pfl's NHWC image shape
 CLASSES, BATCH, LOCAL_LR, CENTRAL_LR = 10, 10, 0.1, 1.0
@@ -47,13 +49,6 @@ def make_data(users: int, per_user: int, seed: int = 0) -> tuple[np.ndarray, np.
     teacher = rng.standard_normal((int(np.prod(SHAPE)), CLASSES)).astype(np.float32)
     y = (x.reshape(len(x), -1) @ teacher).argmax(1)
     return x, y
-
-
-def sync(device) -> None:
-    import torch
-
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------- pfl

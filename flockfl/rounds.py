@@ -23,7 +23,6 @@ from flockfl.context import RunContext, unseen_clients
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine.data import ClientData
 from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
-from flockfl.engine.schedule import restrict
 from flockfl.errors import ConfigError
 from flockfl.evaluation import (ClientMetrics, Protocol, check_protocol, family, measure_own, measure_shared, note_trained,
                                 protocol, report_modes)
@@ -405,8 +404,8 @@ def train_companions(prep: PreparedRun, stages: Stages, state: ServerState, comp
     t, ex = prep.cfg.train, prep.cfg.executor
     size = t.shard_size * (ex.workers if ex.kind == "dask" else 1)
     lost: list[int] = []
-    for part in chunks(np.arange(len(companion.clients)), size):
-        result, dropped = stages.train(prep, restrict(companion, part), engine, round)
+    for part in split_spec(companion, size):
+        result, dropped = stages.train(prep, part, engine, round)
         lost += [int(c) for c in dropped]
         if result is not None:
             state = prep.algorithm.absorb_companions(state, prep.ctx, result)

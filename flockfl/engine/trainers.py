@@ -131,6 +131,7 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
         snap = {n: p.detach().clone() for n, p in net.named_parameters()} if snap_at is not None and snap_at[ci] == 0 else None
         rates = spec.step_rates(round, len(batches[ci]))
         stepped = [(n, p) for n, p in net.named_parameters() if n not in frozen]  # once per client, not per step
+        after = bool(spec.momentum) and spec.correction_after_momentum  # where the correction enters
         for s, local in enumerate(batches[ci]):
             idx = torch.from_numpy(local)
             net.zero_grad(set_to_none=True)
@@ -143,13 +144,13 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
                         g = g + spec.weight_decay * p
                     if spec.mu_of(n):
                         g = g + spec.mu_of(n) * (p - anchor[n])
-                    if spec.correction is not None and not (spec.momentum and spec.correction_after_momentum):
+                    if spec.correction is not None and not after:
                         g = g + spec.correction[n][ci]
                     if spec.momentum:
                         buf[n] = spec.momentum * buf[n] + g
                         g = buf[n]
-                        if spec.correction is not None and spec.correction_after_momentum:
-                            g = g + spec.correction[n][ci]
+                    if spec.correction is not None and after:
+                        g = g + spec.correction[n][ci]
                     if spec.masks is not None and n in spec.masks:
                         g = g * spec.masks[n][ci]
                     p.sub_(rates[s] * g)
@@ -259,6 +260,7 @@ class _GradientTerms:
         self.anchor = {k: v.to(device) for k, v in (spec.prox_anchor or spec.init).items()} if spec.has_prox else None
         self.corr = {k: v.to(device) for k, v in spec.correction.items()} if spec.correction is not None else None
         self.buf = {k: torch.zeros_like(v) for k, v in params.items()} if spec.momentum else None
+        self.after = self.buf is not None and spec.correction_after_momentum  # where the correction enters
 
     def apply(self, params, g, active):
         out = {}
@@ -268,14 +270,13 @@ class _GradientTerms:
                 gk = gk + self.spec.weight_decay * params[k]
             if self.anchor is not None and self.spec.mu_of(k):
                 gk = gk + self.spec.mu_of(k) * (params[k] - self.anchor[k])
-            after = self.buf is not None and self.spec.correction_after_momentum
-            if self.corr is not None and not after:
+            if self.corr is not None and not self.after:
                 gk = gk + self.corr[k]
             if self.buf is not None:
                 self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
                 gk = self.buf[k]
-                if self.corr is not None and after:
-                    gk = gk + self.corr[k]
+            if self.corr is not None and self.after:
+                gk = gk + self.corr[k]
             out[k] = gk * mask
         return out
 
