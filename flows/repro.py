@@ -50,7 +50,8 @@ def add_parser(sub) -> None:
                                    "the tables.")
     p.add_argument("table", nargs="?", metavar="TABLE")
     p.add_argument("--list", action="store_true", help="name the tables and what they reproduce")
-    p.add_argument("--budget", help="paper (the paper's rounds and epochs) or cpu (what fits a small CPU); "
+    p.add_argument("--budget", help="one of the table's budgets: paper (the paper's rounds and epochs), cpu (what "
+                                    "fits a small CPU), or another the table defines (--list names them); "
                                     "default: the table's default_budget")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="seeds (default: the table's, 0 1 2)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (labels as printed)")
