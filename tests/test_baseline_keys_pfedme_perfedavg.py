@@ -78,10 +78,12 @@ def test_the_new_keys_are_listed_with_their_sources(capsys):
 
 
 # ---------------------------------------------------------------------- defaults: today's behaviour bit for bit
-@pytest.mark.parametrize("engine", ["vectorized", "reference"])
+@pytest.mark.parametrize("engine", ["reference"])
 def test_pfedme_cohort_only_with_mu_zero_and_every_batch_is_the_digest_of_before(engine, tmp_path):
     """train_all_clients=false, inner_l2=0 (set explicitly) and local_rounds=null reproduce the
-    pre-issue pfedme digest (the only default that changed is train_all_clients)."""
+    pre-issue pfedme digest (the only default that changed is train_all_clients). The
+    vectorised trainer had the same bits while it ran the per-client solve too; it now solves
+    the cohort at once and agrees to float rounding (test_train_all_clients_reference_...)."""
     import digest_corpus as corpus
     from flockfl.config import deep_merge
 
@@ -169,9 +171,10 @@ def test_inner_l2_zero_is_the_paper_and_positive_moves_theta(tmp_path):
 # ---------------------------------------------------------------------- pFedMe: every client trains
 def test_train_all_clients_sets_every_theta_but_aggregates_only_the_cohort(tmp_path):
     over = {"partition": {"unseen_fraction": 0.25}, "train": {"rounds": 1}}
-    prep, every = run(cfg_of("pfedme", **copy.deepcopy(over)), tmp_path / "all")
-    _, cohort_only = run(cfg_of("pfedme", algorithm={"train_all_clients": False}, **copy.deepcopy(over)),
-                         tmp_path / "cohort")
+    # the reference trainer: its solve is the per-client loop that ``moreau`` runs below, bit for bit
+    prep, every = run(cfg_of("pfedme", engine="reference", **copy.deepcopy(over)), tmp_path / "all")
+    _, cohort_only = run(cfg_of("pfedme", engine="reference", algorithm={"train_all_clients": False},
+                                **copy.deepcopy(over)), tmp_path / "cohort")
     alg, ctx = prep.algorithm, prep.ctx
     init = alg.init_state(ctx)
     cohort = alg.select(init, ctx, 0)
@@ -231,16 +234,33 @@ def test_unsampled_clients_train_through_the_train_stage_as_companions(tmp_path)
     assert_same(new_bad.algo["personal"].gather(rest), new.algo["personal"].gather(rest))
 
 
-def test_train_all_clients_reference_equals_vectorised_in_any_chunk_size(tmp_path):
-    """Both trainers, and unsampled clients processed 2 at a time (train.shard_size) or all at
-    once: the same w and the same θ̃ of every client, bit for bit."""
-    a = run(cfg_of("pfedme", engine="reference", train={"rounds": 2, "shard_size": 2}), tmp_path / "ref")[1]
-    b = run(cfg_of("pfedme", engine="vectorized", train={"rounds": 2}), tmp_path / "vec")[1]
-    assert_same(a.models, b.models)
+@pytest.mark.parametrize("engine", ["reference", "vectorized"])
+def test_train_all_clients_is_the_same_in_any_chunk_size(engine, tmp_path):
+    """Unsampled clients processed 2 at a time (train.shard_size) or all at once: the same w and
+    the same θ̃ of every client, bit for bit, under either trainer."""
+    a = run(cfg_of("pfedme", engine=engine, train={"rounds": 2, "shard_size": 2}), tmp_path / "two")[1]
+    b = run(cfg_of("pfedme", engine=engine, train={"rounds": 2}), tmp_path / "all")[1]
     assert a.algo["personal"].written().all()
     assert_same(a.algo["personal"].dense(), b.algo["personal"].dense())
-    assert a.history[-1]["accuracy"] == b.history[-1]["accuracy"]
     assert a.digest() == b.digest()
+
+
+@pytest.mark.parametrize("model", ["mlp", "cnn_bn"])
+def test_the_cohort_solve_equals_the_per_client_loop(model, tmp_path):
+    """The vectorised trainer's Moreau solve (all clients at once, moreau_pass_stacked) and the
+    reference's per-client loop: the same w and θ̃ of every client to float rounding, BatchNorm
+    statistics included (batch statistics while training, each model's own after it: precise BN)."""
+    over = {"model": {"name": model}, "train": {"rounds": 1 if model == "cnn_bn" else 2}}
+    a = run(cfg_of("pfedme", engine="reference", **copy.deepcopy(over)), tmp_path / "ref")[1]
+    b = run(cfg_of("pfedme", engine="vectorized", **copy.deepcopy(over)), tmp_path / "vec")[1]
+    for x, y in ((a.models, b.models), (a.algo["personal"].dense(), b.algo["personal"].dense())):
+        for k in x:
+            torch.testing.assert_close(x[k], y[k], rtol=1e-4, atol=1e-5)
+    assert a.history[-1]["accuracy"] == pytest.approx(b.history[-1]["accuracy"], abs=1e-3)
+    if model == "cnn_bn":  # θ̃'s statistics are its own, not the init's (0, 1)
+        theta = a.algo["personal"].dense()
+        stats = [k for k in theta if k.endswith("running_var")]
+        assert stats and all(not torch.allclose(theta[k], torch.ones_like(theta[k])) for k in stats)
 
 
 # ---------------------------------------------------------------------- Per-FedAvg: the evaluation model

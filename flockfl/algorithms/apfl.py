@@ -52,9 +52,10 @@ from torch.func import functional_call
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, choice, real, weighting
 from flockfl.aggregation import broadcast
-from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
+from flockfl.algorithms.personal import PersonalModels, gradient, trained_names, training
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.schedule import client_batches
+from flockfl.engine.trainers import calibrate_bn
 from flockfl.evaluation import measure_own, measure_shared, overlay
 from flockfl.rng import np_rng
 
@@ -66,7 +67,7 @@ def output_mix_step(model, names: list[str], task: str):
     ŷ = a·f(x; v) + (1 − a)·f(x; w).detach(), ℓ the mean loss on (x, y) (one client, plain PyTorch)."""
 
     def step(v: dict, w: dict, a: float, x, y) -> tuple[dict, float]:
-        with torch.enable_grad():
+        with torch.enable_grad(), training(model):
             leaves = {k: v[k].detach().requires_grad_(True) for k in names}
             alpha = torch.tensor(a, dtype=next(iter(v.values())).dtype, device=x.device, requires_grad=True)
             with torch.no_grad():
@@ -122,6 +123,7 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
         for k in out_v:
             out_v[k][i] = vi[k] if k in bw else w[k]
         out_a[i] = a
+    calibrate_bn(model, out_v, data, spec.clients)  # v_i's own BN statistics, as both trainers set w's
     return out_v, out_a
 
 

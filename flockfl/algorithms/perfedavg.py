@@ -47,6 +47,7 @@ from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels, gradient, run_pass, trained_names
 from flockfl.client import pass_spec
 from flockfl.engine.schedule import client_batches
+from flockfl.engine.trainers import calibrate_bn
 from flockfl.rng import np_rng
 
 
@@ -81,6 +82,7 @@ def maml_solver(model, spec, data, task) -> dict[str, torch.Tensor]:
             w = {k: w[k] - beta * g[k] if k in g else w[k] for k in w}
         for k in out:
             out[k][i] = w[k]
+    calibrate_bn(model, out, data, spec.clients)  # each client's BN statistics under its w, as both trainers set them
     return out
 
 

@@ -26,6 +26,7 @@ reported (FedBABU, whose head is the init by design, adds ``accuracy_global``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -216,12 +217,24 @@ def gradient(model: nn.Module, names: list[str], task: str) -> Callable[[dict, A
     ``names`` (one client, plain PyTorch; the per-client loops of APFL, Per-FedAvg and pFedMe)."""
 
     def grad(p: dict, x, y) -> dict:
-        with torch.enable_grad():
+        with torch.enable_grad(), training(model):
             leaves = {k: p[k].detach().requires_grad_(True) for k in names}
             loss = per_sample_loss(functional_call(model, {**p, **leaves}, (x,)), y, task).mean()
             return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
 
     return grad
+
+
+@contextlib.contextmanager
+def training(model: nn.Module):
+    """The model in training mode for a block (BatchNorm on the batch's statistics, as both
+    trainers train), then back in the mode it was in (the driver keeps it in evaluation mode)."""
+    was = model.training
+    model.train()
+    try:
+        yield model
+    finally:
+        model.train(was)
 
 
 def trained_names(model: nn.Module, keys) -> list[str]:

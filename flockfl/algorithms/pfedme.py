@@ -28,9 +28,15 @@ immaterial), a chunk at a time, each chunk's θ̃ written to the client table be
 (``absorb_companions``): memory holds one chunk's models, never all N. Bytes: |w| down to every
 training client (all N under ``train_all_clients``), |w| up from S_t.
 
-The inner solve has two nested loops, which LocalSpec cannot express: the round's ``solver``
-(:func:`moreau_solver`, a per-client plain PyTorch loop) runs in the train shards under either
-trainer and returns w_{i,R} with θ̃_i in the result's meta, so both trainers agree trivially.
+The inner solve has two nested loops, which LocalSpec cannot express: it is the round's solver,
+run in the train shards, returning w_{i,R} with θ̃_i in the result's meta. The reference trainer
+runs :func:`moreau_solver` (a per-client plain PyTorch loop), the vectorised trainer
+:func:`moreau_solver_stacked` (the whole cohort at once, one batched gradient per inner step);
+tests hold the two to float rounding. Both train BatchNorm on batch statistics and end with each
+model's own statistics (precise BN), as the SGD trainers do. Measured on this 2-core CPU (one
+round of PFLlib's setting at a tenth of the data, 20 clients, batch 10): the per-client loop is
+the faster here (pfllib_cnn 15.1 s vs 77.2 s, MLP 3.0 s vs 4.7 s; FedAvg's own trainers: 3.4 s vs
+6.1 s), which ``train.engine=auto`` measures and picks; the cohort solve is for accelerators.
 ``train.momentum`` is ignored (plain GD/SGD, as the paper).
 
 State: θ̃_i (a detached copy after the last inner solve, never aliased with w_{i,R}) in a
@@ -50,7 +56,8 @@ from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, integer, real, weighting
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
-from flockfl.engine.schedule import client_batches
+from flockfl.engine.schedule import client_batches, cohort_schedule, stack_schedule
+from flockfl.engine.trainers import calibrate_bn, cohort_step
 from flockfl.rng import np_rng
 
 
@@ -83,7 +90,65 @@ def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_st
         for k in out_w:
             out_w[k][i] = w[k]
             out_t[k][i] = theta[k].detach().clone()
+    calibrate_bn(model, out_w, data, spec.clients)  # each model's BN statistics under its parameters, as both
+    calibrate_bn(model, out_t, data, spec.clients)  # trainers set them ("precise BN")
     return out_w, out_t
+
+
+def moreau_pass_stacked(model, spec, data, task, seed: int, round: int, lam: float, k_steps: int, p_lr: float,
+                        mu: float = 0.0):
+    """:func:`moreau_pass` for the whole cohort at once: w and θ stacked on a client axis, each
+    inner step one batched gradient (:func:`~flockfl.engine.trainers.cohort_step`) over every
+    client's batch of the same local round, in the same batch orders (``cohort_schedule``); a
+    client whose local rounds are done neither moves θ nor w. Agrees with the per-client loop to
+    float rounding (the batch mean is a weighted sum here)."""
+    names = trained_names(model, spec.init)
+    device = data.x.device
+    w = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
+    theta = {k: v.clone() for k, v in w.items()}
+    sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
+    index, weight = sched.index.to(device), sched.weight.to(device)
+    step = cohort_step(model, task)
+    lr = float(spec.lr)
+    was = model.training
+    model.train()
+    try:
+        for s in range(sched.steps):
+            x, y, wt = data.x[index[s]], data.y[index[s]], weight[s]
+            act = sched.active[s].to(device)
+            every = bool(act.all())
+            for _ in range(k_steps):
+                g, _ = step(theta, x, y, wt)
+                with torch.no_grad():
+                    for k in names:
+                        d = g[k] + lam * (theta[k] - w[k])
+                        if mu:
+                            d = d + mu * theta[k]
+                        d = p_lr * d
+                        theta[k] = theta[k] - (d if every else d * _rows(act, d))
+            with torch.no_grad():
+                for k in names:
+                    d = lr * lam * (w[k] - theta[k])
+                    w[k] = w[k] - (d if every else d * _rows(act, d))
+    finally:
+        model.train(was)
+    theta = {k: (theta[k] if k in names else w[k]).detach().clone() for k in w}
+    calibrate_bn(model, w, data, spec.clients)
+    calibrate_bn(model, theta, data, spec.clients)
+    return w, theta
+
+
+def _rows(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The 0/1 per-client mask broadcast over a stacked tensor's trailing dimensions."""
+    return active.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def moreau_solver_stacked(model, spec, data, task):
+    """:func:`moreau_solver` by :func:`moreau_pass_stacked` (the vectorised trainer's)."""
+    m = spec.meta["pfedme"]
+    w, theta = moreau_pass_stacked(model, spec, data, task, int(m["seed"]), int(m["round"]), float(m["lam"]),
+                                   int(m["inner_steps"]), float(m["personal_lr"]), float(m["inner_l2"]))
+    return w, {"personal": theta}
 
 
 def moreau_solver(model, spec, data, task):
@@ -161,7 +226,7 @@ class PFedMe(PersonalModels):
                                              "inner_steps": int(self.hp("inner_steps")),
                                              "personal_lr": float(self.hp("personal_lr")),
                                              "inner_l2": float(self.hp("inner_l2"))}}
-        spec.solver = moreau_solver
+        spec.solver, spec.solver_vectorized = moreau_solver, moreau_solver_stacked
         return spec
 
     def local_spec(self, state, ctx, clients, round):

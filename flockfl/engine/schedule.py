@@ -72,6 +72,9 @@ class LocalSpec:
     # or (params, meta) with stacked per-client extras for TrainResult.meta (pFedMe's θ̃);
     # when set, both trainers use it instead of SGD
     solver: Optional[Callable] = None
+    # the same update for the whole cohort at once (stacked parameters, one batched step for all),
+    # which the vectorised trainer runs instead of ``solver`` where it is set (pFedMe's inner solve)
+    solver_vectorized: Optional[Callable] = None
     # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a
     # round's training, another name for extra passes (evaluation fine-tuning, newcomers)
     stream: str = "shuffle"

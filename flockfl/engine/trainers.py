@@ -62,11 +62,14 @@ def _concat_meta(parts: list):
     return parts
 
 
-def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str) -> TrainResult:
-    """The result of a closed-form local solver (no steps, no training loss). A solver returns
-    the stacked parameters, or (parameters, meta): stacked per-client extras (pFedMe's θ̃_i) that
-    ride in ``TrainResult.meta`` and are concatenated across shards like the parameters."""
-    out = spec.solver(model, spec, data, task)
+def solved(model: nn.Module, spec: LocalSpec, data: Split, task: str, vectorized: bool = False) -> TrainResult:
+    """The result of a local solver (no steps, no training loss). A solver returns the stacked
+    parameters, or (parameters, meta): stacked per-client extras (pFedMe's θ̃_i) that ride in
+    ``TrainResult.meta`` and are concatenated across shards like the parameters. The vectorised
+    trainer runs ``spec.solver_vectorized`` where the algorithm gives one (the same update for
+    the whole cohort at once; tests hold it to the per-client ``spec.solver``)."""
+    fn = spec.solver_vectorized if vectorized and spec.solver_vectorized is not None else spec.solver
+    out = fn(model, spec, data, task)
     params, meta = out if isinstance(out, tuple) else (out, {})
     n = len(spec.clients)
     return TrainResult(np.asarray(spec.clients), params, data.sizes[spec.clients], np.zeros(n, np.int64), np.zeros(n),
@@ -181,7 +184,7 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     a zero gradient.
     """
     if spec.solver is not None:
-        return solved(model, spec, data, task)
+        return solved(model, spec, data, task, vectorized=True)
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     device = data.x.device
     rates = spec.step_rates(round, sched.steps)  # step s's rate, the same for every client still stepping
@@ -206,16 +209,7 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     else:
         params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
         frozen = stat_names(model)
-        weighted = getattr(model, "takes_sample_weight", False)  # BN: batch statistics over real samples only
-
-        def weighted_loss(p, x, y, w):
-            out = functional_call(model, p, (x,), {"sample_weight": w}) if weighted else functional_call(model, p, (x,))
-            return (per_sample_loss(out, y, task) * w).sum()
-
-        plan = stacked_plan(model) if method in ("auto", "stacked") else None
-        if method == "stacked" and plan is None:
-            raise ValueError("method='stacked' needs a Sequential of Conv2d/ReLU/MaxPool2d/Flatten/Linear or a ConvBNNet")
-        step = stacked_step(model, plan, task, frozen) if plan is not None else vmap(grad_and_value(weighted_loss))
+        step = cohort_step(model, task, method)
         extras = _GradientTerms(spec, params, device)
         masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
         snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
@@ -247,6 +241,26 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         np.asarray(spec.clients), params, data.sizes[spec.clients], steps,
         (total.cpu().numpy() / np.maximum(steps, 1)), meta,
     )
+
+
+def cohort_step(model: nn.Module, task: str, method: str = "auto"):
+    """``step(params, x, y, w) → (gradients, losses)`` for parameters stacked on a leading client
+    axis and a [C, B] batch with per-sample weights ``w`` (1/batch size, 0 for padding): the
+    stacked convolution plan where the model has one (``auto``/``stacked``), else ``vmap`` of
+    ``grad_and_value`` over ``functional_call``. BN statistics are taken over the real samples
+    only; frozen entries (BN statistics) get a zero gradient (stacked) or their autograd one,
+    which the callers never apply."""
+    frozen = stat_names(model)
+    weighted = getattr(model, "takes_sample_weight", False)  # BN: batch statistics over real samples only
+
+    def weighted_loss(p, x, y, w):
+        out = functional_call(model, p, (x,), {"sample_weight": w}) if weighted else functional_call(model, p, (x,))
+        return (per_sample_loss(out, y, task) * w).sum()
+
+    plan = stacked_plan(model) if method in ("auto", "stacked") else None
+    if method == "stacked" and plan is None:
+        raise ValueError("method='stacked' needs a Sequential of Conv2d/ReLU/MaxPool2d/Flatten/Linear or a ConvBNNet")
+    return stacked_step(model, plan, task, frozen) if plan is not None else vmap(grad_and_value(weighted_loss))
 
 
 class _GradientTerms:
