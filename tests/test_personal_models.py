@@ -3,6 +3,7 @@ perfedavg.py, pfedme.py)."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -283,3 +284,19 @@ def test_a_method_with_its_own_evaluation_model_never_takes_the_global_shortcut(
         if cls.own_models is not PersonalModels.own_models:
             assert cls.unwritten_rows_are_global is False, name
     assert subs["ditto"].unwritten_rows_are_global and subs["pfedme"].unwritten_rows_are_global
+
+
+@pytest.mark.parametrize("name", ["apfl", "perfedavg"])
+def test_per_client_solvers_train_bn_on_batch_statistics_and_calibrate(name, tmp_path):
+    """The per-client loops (APFL's v-pass, Per-FedAvg's meta-steps) train BatchNorm as the SGD
+    trainers do: on batch statistics, and end with each model's own statistics (precise BN), so
+    the trained models' running variances are no longer the init's ones (they were, when the
+    loops ran the driver's evaluation-mode model), and the two trainers agree."""
+    over = {"model": {"name": "cnn_bn"}, "train": {"rounds": 1}}
+    algo = {"beta": 0.1} if name == "perfedavg" else {}
+    a, b = (run(cfg_of(name, engine=e, algorithm=algo, **copy.deepcopy(over)), tmp_path / e)[1]
+            for e in ("reference", "vectorized"))
+    models = a.algo["personal"].dense() if name == "apfl" else a.models
+    stats = [k for k in models if k.endswith("running_var")]
+    assert stats and all(not torch.allclose(models[k], torch.ones_like(models[k])) for k in stats)
+    assert_same(a.models, b.models, exact=False)
