@@ -44,6 +44,9 @@ def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int, stage
         raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
     for st in stages:
         result = st.after_train(ctx, spec, result)
+    if spec.personal_pass is not None:  # the shard's second pass (the personal models), same clients
+        rows = spec.personal_pass(ctx.model, spec, ctx.data.train, ctx.data.task, engine, ctx.seed, round)
+        result.meta = {**result.meta, "personal": rows}
     return result
 
 

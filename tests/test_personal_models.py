@@ -300,3 +300,40 @@ def test_per_client_solvers_train_bn_on_batch_statistics_and_calibrate(name, tmp
     stats = [k for k in models if k.endswith("running_var")]
     assert stats and all(not torch.allclose(models[k], torch.ones_like(models[k])) for k in stats)
     assert_same(a.models, b.models, exact=False)
+
+
+@pytest.mark.parametrize("name", ["ditto", "apfl"])
+def test_the_personal_pass_runs_in_the_train_shards(name, tmp_path):
+    """Ditto's v-pass and APFL's (v, α) pass run inside the round's train shards
+    (LocalSpec.personal_pass), so the executor distributes and retries them with the cohort: each
+    shard's result carries its clients' new rows; shards of 2 give the rows of one shard, bit for
+    bit; a client that fails every try is dropped with its row unwritten, the others' rows unchanged."""
+    import dataclasses
+
+    from flockfl.rounds import PLAIN, drive_round, prepare
+
+    calls = []
+
+    def train(prep, spec, engine, round):
+        out = PLAIN.train(prep, spec, engine, round)
+        calls.append((np.asarray(spec.clients).copy(), spec.personal_pass is not None, out[0]))
+        return out
+
+    prep = prepare(cfg_of(name, train={"rounds": 1, "shard_size": 2}), tmp_path / "two")
+    new, _ = drive_round(prep, prep.algorithm.init_state(prep.ctx), 0, dataclasses.replace(PLAIN, train=train))
+    (clients, has_pass, result), = calls
+    assert has_pass and "personal" in result.meta
+    np.testing.assert_array_equal(result.clients, clients)
+    assert set(result.meta["personal"]) == set(new.algo["personal"].gather(clients[:1]))
+    whole = prepare(cfg_of(name, train={"rounds": 1}), tmp_path / "all")
+    ref, _ = drive_round(whole, whole.algorithm.init_state(whole.ctx), 0)
+    assert_same(new.algo["personal"].gather(clients), ref.algo["personal"].gather(clients))
+    assert_same(new.models, ref.models)
+
+    bad = int(clients[0])
+    failing = prepare(cfg_of(name, train={"rounds": 1, "shard_size": 2, "simulate_failures": [bad]}), tmp_path / "bad")
+    got, _ = drive_round(failing, failing.algorithm.init_state(failing.ctx), 0)
+    assert not got.algo["personal"].written(np.array([bad]))[0]
+    rest = np.setdiff1d(clients, [bad])
+    assert got.algo["personal"].written(rest).all()
+    assert_same(got.algo["personal"].gather(rest), new.algo["personal"].gather(rest))

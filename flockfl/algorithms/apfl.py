@@ -127,6 +127,18 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
     return out_v, out_a
 
 
+ROWS_IN, HYPER = "apfl_rows", "apfl"  # spec.meta: the cohort's (v_i, α_i) at round start; the pass's settings
+
+
+def apfl_pass(model, spec, data, task, engine, seed, round):
+    """The shard's (v, α) pass (``LocalSpec.personal_pass``, :func:`personal_pass` on the shard's
+    clients, from their round-start rows): the new rows {v, α}."""
+    rows, h = spec.meta[ROWS_IN], spec.meta[HYPER]
+    v, alpha = personal_pass(model, spec, data, task, seed, round, {k: x for k, x in rows.items() if k != ALPHA},
+                             rows[ALPHA], h["adaptive"], h["alpha_lr"], h["alpha_l2"], h["mix"])
+    return {**v, ALPHA: alpha}
+
+
 class APFL(PersonalModels):
     unwritten_rows_are_global = False  # own_models computes the evaluation model (PersonalModels)
     name = "apfl"
@@ -171,16 +183,17 @@ class APFL(PersonalModels):
                 for k, x in v.items()}
 
     def local_spec(self, state, ctx, clients, round):
-        """FedAvg's spec for w; the (v, α) pass runs here on the same batches, its result rides in ``meta``."""
+        """FedAvg's spec for w; the (v, α) pass runs in the same train shards on the same batches
+        (``personal_pass``), so the executor distributes and retries it with the cohort's training."""
         spec = Algorithm.local_spec(self, state, ctx, clients, round)
         if self.cfg.train.momentum:
             spec.momentum = self.cfg.train.momentum
         v, alpha = self.rows(state, clients)
         lr = self.hp("alpha_lr")
-        v, alpha = personal_pass(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round, v, alpha,
-                                 bool(self.hp("adaptive")), self.cfg.train.lr if lr is None else float(lr),
-                                 float(self.hp("alpha_l2")), self.hp("mix"))
-        spec.meta = {**spec.meta, "personal": {**v, ALPHA: alpha}}
+        spec.meta = {**spec.meta, ROWS_IN: {**v, ALPHA: alpha},
+                     HYPER: {"adaptive": bool(self.hp("adaptive")), "alpha_lr": self.cfg.train.lr if lr is None else float(lr),
+                             "alpha_l2": float(self.hp("alpha_l2")), "mix": self.hp("mix")}}
+        spec.personal_pass = apfl_pass
         return spec
 
     def chunk_metrics(self, state, ctx, clients, assign):

@@ -36,9 +36,18 @@ import numpy as np
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.aggregation import broadcast
-from flockfl.algorithms.personal import PersonalModels, run_pass
+from flockfl.algorithms.personal import PersonalModels
 from flockfl.client import finetune_epochs, pass_spec
 from flockfl.engine import TRAINERS
+
+
+PERSONAL_SPEC = "ditto_personal_spec"  # spec.meta: the v-pass of the shard's clients
+
+
+def ditto_pass(model, spec, data, task, engine, seed, round):
+    """The shard's v-pass (``LocalSpec.personal_pass``): λ-proximal SGD from each client's v_k,
+    anchored to w^t, by the shard's trainer; its clients are the shard's."""
+    return TRAINERS[engine](model, spec.meta[PERSONAL_SPEC], data, task, seed, round).params
 
 
 class Ditto(PersonalModels):
@@ -82,13 +91,18 @@ class Ditto(PersonalModels):
 
     # ------------------------------------------------------------------ round
     def local_spec(self, state, ctx, clients, round):
-        """FedAvg's spec for w; the personal pass on v_k runs here, its result rides in ``meta``."""
+        """FedAvg's spec for w; the personal pass on v_k runs in the same train shards, after
+        the w-pass (``personal_pass``: its spec rides in ``meta``, restricted with the shard),
+        so the executor distributes and retries it with the cohort's training. With no
+        personal epochs, the rows ride as they are."""
         spec = Algorithm.local_spec(self, state, ctx, clients, round)
-        v = self.own_models(state, ctx, clients, None)
-        if self.epochs():
-            stream = "shuffle" if self.hp("schedule") == "interleaved" else "personal"
-            v = run_pass(ctx, state, self.personal_spec(state, ctx, clients, v, self.epochs(), stream), round).params
-        spec.meta = {**spec.meta, "personal": {k: x.contiguous() for k, x in v.items()}}
+        v = {k: x.contiguous() for k, x in self.own_models(state, ctx, clients, None).items()}
+        if not self.epochs():
+            spec.meta = {**spec.meta, "personal": v}
+            return spec
+        stream = "shuffle" if self.hp("schedule") == "interleaved" else "personal"
+        spec.meta = {**spec.meta, PERSONAL_SPEC: self.personal_spec(state, ctx, clients, v, self.epochs(), stream)}
+        spec.personal_pass = ditto_pass
         return spec
 
     def finetune(self, state, ctx, clients, assign, round, engine, stream):

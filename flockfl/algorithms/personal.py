@@ -296,9 +296,12 @@ class PersonalModels(PartialSharing):
     def keep_rows(self, new, state, spec, result):
         if not self.keeps_rows:
             return new
-        pos = {int(c): i for i, c in enumerate(spec.clients)}
-        idx = torch.tensor([pos[int(c)] for c in result.clients], dtype=torch.long)
-        rows = {k: v[idx.to(v.device)] for k, v in spec.meta["personal"].items()}
+        if "personal" in result.meta:  # computed in the train shards (spec.personal_pass), in result order
+            rows = result.meta["personal"]
+        else:  # computed on the driver, in cohort order
+            pos = {int(c): i for i, c in enumerate(spec.clients)}
+            idx = torch.tensor([pos[int(c)] for c in result.clients], dtype=torch.long)
+            rows = {k: v[idx.to(v.device)] for k, v in spec.meta["personal"].items()}
         return new.replace(algo={**state.algo, "personal": state.algo["personal"].scatter(result.clients, rows)})
 
     def comm_bytes(self, state, clients):

@@ -75,6 +75,11 @@ class LocalSpec:
     # the same update for the whole cohort at once (stacked parameters, one batched step for all),
     # which the vectorised trainer runs instead of ``solver`` where it is set (pFedMe's inner solve)
     solver_vectorized: Optional[Callable] = None
+    # a second pass each shard runs after its training, on the same clients (Ditto's personal
+    # v-pass, APFL's (v, α) pass): (model, spec, data, task, engine, seed, round) → stacked
+    # per-client tensors, which the shard's result carries as ``meta['personal']``; its inputs
+    # ride in ``meta`` (per-client rows and nested LocalSpecs are restricted with the cohort)
+    personal_pass: Optional[Callable] = None
     # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a
     # round's training, another name for extra passes (evaluation fine-tuning, newcomers)
     stream: str = "shuffle"
@@ -180,6 +185,8 @@ def restrict(spec: LocalSpec, positions) -> LocalSpec:
         return None if d is None else {k: v[pos_t] for k, v in d.items()}
 
     def per_client(v):
+        if isinstance(v, LocalSpec):  # a pass of the same clients riding in meta (Ditto's personal spec)
+            return restrict(v, positions)
         if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n for t in v.values()):
             return rows(v)  # stacked per-client tensors (the pruning stage's mask rows)
         return v[positions] if isinstance(v, np.ndarray) and len(v) == n else v
