@@ -232,13 +232,15 @@ def test_cli_exits_2_with_one_line(workdir, monkeypatch, capsys, over, needle):
 
 def test_the_pfllib_table_is_covered_by_the_generic_repro_checks(tmp_path):
     """tests/test_repro.py validates every cell of every budget of every table in configs/repro/;
-    here, what this table must hold: PFLlib's setting and numbers, and a cpu budget."""
+    here, what this table must hold: PFLlib's setting and numbers, a cpu budget (a tenth of the data)
+    and cpu_full (all of it, 5 rounds)."""
     from flows import repro
 
     assert "pfllib_fmnist" in repro.table_names()
     t = repro.load_table("pfllib_fmnist")
     assert list(t.rows) == ["FedAvg", "Per-FedAvg", "pFedMe", "Ditto", "APFL", "FedPer", "FedRep", "FedBABU"]
-    assert list(t.columns) == ["pathological", "Dir(0.1)"] and set(t.budgets) == {"paper", "cpu"}
+    assert list(t.columns) == ["pathological", "Dir(0.1)"] and set(t.budgets) == {"paper", "cpu", "cpu_full"}
+    assert t.budgets["cpu_full"] == {"train": {"rounds": 5, "eval_every": 1}}  # PFLlib's full data, 5 rounds
     assert t.published["PFLlib"]["FedRep"] == {"pathological": [99.56, 0.03], "Dir(0.1)": [97.56, 0.04]}
     assert t.tolerance == {"PFLlib": 2.0} and t.conventions[0]["metric"] == "accuracy"
     plan = repro.plan_repro("pfllib_fmnist", "paper", [0], None, None, [], "params.yaml", str(tmp_path))
