@@ -60,7 +60,8 @@ def add_parser(sub) -> None:
                    help="applied to every cell (the output says so)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their configs; run nothing")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at a time (threads sharing the cores)")
-    p.add_argument("--out", help="the table's folder (default runs/repro/<table>-<budget>[-<overrides digest>])")
+    p.add_argument("--out", help="the table's folder (default runs/repro/<table>-<budget>[-<overrides digest>]"
+                                 "[-part-<digest of the --rows/--columns chosen>])")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     p.add_argument("--partitions", default="data/partitions", help="partitions folder")
@@ -196,9 +197,15 @@ def plan_repro(name: str, budget: Optional[str], seeds: Optional[list[int]], row
     budget = budget or t.default_budget
     if budget not in t.budgets:
         raise ConfigError(f"--budget {budget!r}: table {name!r} has budgets {', '.join(t.budgets)}")
+    picked_rows, picked_cols = _pick(t.rows, rows, "rows", name), _pick(t.columns, cols, "columns", name)
     tag = f"{name}-{budget}"
     if overrides:
         tag += "-" + hashlib.sha256(json.dumps(overrides).encode()).hexdigest()[:8]
+    if picked_rows != list(t.rows) or picked_cols != list(t.columns):
+        # a part of the table is its own sweep (its grid differs): its own folder, so the same
+        # command continues it and neither the whole table's folder nor another part's refuses it
+        part = json.dumps([picked_rows, picked_cols])
+        tag += "-part-" + hashlib.sha256(part.encode()).hexdigest()[:8]
     folder = Path(out) if out else Path("runs") / "repro" / tag
     folder.mkdir(parents=True, exist_ok=True)
     base_file = folder / "base.yaml"
@@ -206,8 +213,7 @@ def plan_repro(name: str, budget: Optional[str], seeds: Optional[list[int]], row
     text = yaml.safe_dump(base, sort_keys=False)
     if not base_file.exists() or base_file.read_text() != text:
         base_file.write_text(text)
-    plan = ReproPlan(t, budget, _pick(t.rows, rows, "rows", name), _pick(t.columns, cols, "columns", name),
-                     list(overrides), folder, base_file)
+    plan = ReproPlan(t, budget, picked_rows, picked_cols, list(overrides), folder, base_file)
     variants = [(cell_label(r, c), over) for r, c, over in plan.cells()]
     # the --set items shape the base (what the header describes) and win over every cell's own settings
     plan.sweep = plan_sweep(str(base_file), [], seeds or t.seeds, list(overrides), params, variants=variants)

@@ -178,7 +178,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
         from flockfl.errors import UserError
 
         raise UserError(f"{sweep_dir} holds another sweep (different experiment, grid or seeds); "
-                        f"choose another --sweep-dir or remove it")
+                        f"choose another folder (flock sweep --sweep-dir, flock repro --out) or remove it")
     uri = state.get("tracking_uri") or resolve_tracking_uri(tracking_uri, base.tracking.uri)
     experiment = experiment or base.tracking.experiment or base.name
     for child in plan.children:

@@ -112,3 +112,20 @@ def test_a_conventions_metric_comes_from_the_runs_metrics_under_its_report_mode(
     assert first_metric(m, "accuracy__proportional__samples") == 0.8
     assert first_metric(m, "accuracy__label_union__clients") is None  # no 'best' reported for it
     assert first_metric(m, "accuracy") == 0.9
+
+
+def test_a_part_of_a_table_has_its_own_folder_and_continues_there(tmp_path, monkeypatch):
+    """--rows/--columns pick a part of the table, a sweep of its own grid: it gets its own default
+    folder (the whole table's folder would refuse it as another sweep), the same part twice gets
+    the same folder, and the whole table keeps its folder."""
+    from flows import repro
+
+    monkeypatch.chdir(tmp_path)
+    plan = lambda rows, cols: repro.plan_repro("pfllib_fmnist", "cpu", [0], rows, cols, [], "params.yaml")  # noqa: E731
+    whole = plan(None, None).out
+    part = plan(["Ditto"], ["pathological"]).out
+    other = plan(["Ditto"], ["Dir(0.1)"]).out
+    assert whole == Path("runs/repro/pfllib_fmnist-cpu")
+    assert part.name.startswith("pfllib_fmnist-cpu-part-") and len({whole, part, other}) == 3
+    assert plan(["Ditto"], ["pathological"]).out == part
+    assert plan(list(repro.load_table("pfllib_fmnist").rows), None).out == whole  # every row = the whole table
