@@ -52,10 +52,10 @@ from torch.func import functional_call
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, choice, real, weighting
 from flockfl.aggregation import broadcast
-from flockfl.algorithms.personal import PersonalModels, gradient, trained_names, training
+from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.schedule import client_batches
-from flockfl.engine.trainers import calibrate_bn
+from flockfl.engine.trainers import calibrate_bn, training
 from flockfl.evaluation import measure_own, measure_shared, overlay
 from flockfl.rng import np_rng
 

@@ -26,7 +26,6 @@ reported (FedBABU, whose head is the init by design, adds ``accuracy_global``).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable
 
 import numpy as np
@@ -43,7 +42,7 @@ from flockfl.engine import TRAINERS
 from flockfl.engine.schedule import LocalSpec, restrict
 from flockfl.engine.trainers import TrainResult
 from flockfl.engine.functional import per_sample_loss
-from flockfl.engine.trainers import stat_names
+from flockfl.engine.trainers import stat_names, training
 from flockfl.evaluation import ClientMetrics, client_results, family, measure_own, measure_shared, overlay, protocol
 from models import WeightedBatchNorm2d, build_model
 
@@ -223,18 +222,6 @@ def gradient(model: nn.Module, names: list[str], task: str) -> Callable[[dict, A
             return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
 
     return grad
-
-
-@contextlib.contextmanager
-def training(model: nn.Module):
-    """The model in training mode for a block (BatchNorm on the batch's statistics, as both
-    trainers train), then back in the mode it was in (the driver keeps it in evaluation mode)."""
-    was = model.training
-    model.train()
-    try:
-        yield model
-    finally:
-        model.train(was)
 
 
 def trained_names(model: nn.Module, keys) -> list[str]:

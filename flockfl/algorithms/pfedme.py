@@ -57,7 +57,7 @@ from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, integer, real, weighting
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.schedule import client_batches, cohort_schedule, stack_schedule
-from flockfl.engine.trainers import calibrate_bn, cohort_step
+from flockfl.engine.trainers import calibrate_bn, client_mask, cohort_step, training
 from flockfl.rng import np_rng
 
 
@@ -110,9 +110,7 @@ def moreau_pass_stacked(model, spec, data, task, seed: int, round: int, lam: flo
     index, weight = sched.index.to(device), sched.weight.to(device)
     step = cohort_step(model, task)
     lr = float(spec.lr)
-    was = model.training
-    model.train()
-    try:
+    with training(model):
         for s in range(sched.steps):
             x, y, wt = data.x[index[s]], data.y[index[s]], weight[s]
             act = sched.active[s].to(device)
@@ -125,22 +123,15 @@ def moreau_pass_stacked(model, spec, data, task, seed: int, round: int, lam: flo
                         if mu:
                             d = d + mu * theta[k]
                         d = p_lr * d
-                        theta[k] = theta[k] - (d if every else d * _rows(act, d))
+                        theta[k] = theta[k] - (d if every else d * client_mask(act, d))
             with torch.no_grad():
                 for k in names:
                     d = lr * lam * (w[k] - theta[k])
-                    w[k] = w[k] - (d if every else d * _rows(act, d))
-    finally:
-        model.train(was)
+                    w[k] = w[k] - (d if every else d * client_mask(act, d))
     theta = {k: (theta[k] if k in names else w[k]).detach().clone() for k in w}
     calibrate_bn(model, w, data, spec.clients)
     calibrate_bn(model, theta, data, spec.clients)
     return w, theta
-
-
-def _rows(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The 0/1 per-client mask broadcast over a stacked tensor's trailing dimensions."""
-    return active.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def moreau_solver_stacked(model, spec, data, task):

@@ -6,6 +6,7 @@ schedule, and return a :class:`TrainResult`. Tests assert that they agree to 1e-
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import dataclasses
@@ -90,9 +91,7 @@ def calibrate_bn(model: nn.Module, params: dict[str, torch.Tensor], data: Split,
     bns = [n.rsplit(".", 1)[0] for n in stat_names(model) if n.endswith("running_mean")]  # in forward order
     if not bns:
         return
-    was = model.training
-    model.train()
-    try:
+    with training(model):
         for i, cid in enumerate(clients):
             x_c, _ = data.client(int(cid))
             if len(x_c) == 0:
@@ -102,8 +101,24 @@ def calibrate_bn(model: nn.Module, params: dict[str, torch.Tensor], data: Split,
             for bn, (mean, var, count) in zip(bns, record):
                 params[f"{bn}.running_mean"][i] = mean
                 params[f"{bn}.running_var"][i] = var * (count / max(count - 1, 1))
+
+
+@contextlib.contextmanager
+def training(model: nn.Module):
+    """The model in training mode for a block (BatchNorm on the batch's statistics), then back
+    in the mode it was in (the driver keeps it in evaluation mode between rounds)."""
+    was = model.training
+    model.train()
+    try:
+        yield model
     finally:
         model.train(was)
+
+
+def client_mask(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-client 0/1 flag (clients still stepping) as ``like``'s dtype, broadcast over the
+    trailing dimensions of a tensor stacked on the client axis."""
+    return active.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def _snapshot_at(spec: LocalSpec, steps_taken: np.ndarray) -> np.ndarray | None:
@@ -213,9 +228,7 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         extras = _GradientTerms(spec, params, device)
         masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
         snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
-        was = model.training
-        model.train()
-        try:
+        with training(model):
             for s in range(sched.steps):
                 g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
                 with torch.no_grad():
@@ -232,8 +245,6 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
                             for k in params:
                                 snap[k][rows] = params[k][rows]
                 total += loss.detach()
-        finally:
-            model.train(was)
         calibrate_bn(model, params, data, spec.clients)
         if snap is not None:
             meta["snapshot"] = snap
@@ -279,7 +290,7 @@ class _GradientTerms:
     def apply(self, params, g, active):
         out = {}
         for k, gk in g.items():
-            mask = active.to(gk.dtype).reshape(-1, *([1] * (gk.dim() - 1)))
+            mask = client_mask(active, gk)
             if self.spec.weight_decay:
                 gk = gk + self.spec.weight_decay * params[k]
             if self.anchor is not None and self.spec.mu_of(k):
