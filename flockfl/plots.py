@@ -188,3 +188,46 @@ def matrix_heatmap(matrix: np.ndarray, groups: np.ndarray, title: str, path: Pat
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def auto_choice(records: list[dict], path: Path) -> Path:
+    """The evidence of ``auto`` decisions (``state.meta['auto_choices']``): for the latest
+    decision of each key, the criterion's curve over the candidates (mean silhouette per k, the
+    worst cluster's own best split where it was tested, the floors, the chosen k); where a
+    method decides again each round, a second panel with the chosen k over the rounds."""
+    latest: dict[str, dict] = {}
+    for r in records:
+        latest[r["key"]] = r
+    rounds = [r for r in records if r["round"] >= 0]
+    panels = len(latest) + (1 if len(rounds) > 1 else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.0), squeeze=False)
+    for ax, (key, r) in zip(axes[0], latest.items()):
+        ks = [c["k"] for c in r["curve"]]
+        ax.plot(ks, [np.nan if c["score"] is None else c["score"] for c in r["curve"]], "o-", label="mean silhouette")
+        tested = [(c["k"], c["worst_cluster"]) for c in r["curve"] if c.get("worst_cluster") is not None]
+        if tested:
+            ax.plot(*zip(*tested), "s", color="tab:orange", label="worst cluster's own best split")
+        ax.axhline(r["floor"], color="grey", ls="--", lw=1, label=f"no structure ≤ {r['floor']}")
+        if r.get("nested") is not None:
+            ax.axhline(r["nested"], color="grey", ls=":", lw=1, label=f"split a group again > {r['nested']}")
+        ax.axvline(r["k"], color="tab:green", lw=1.5, label=f"chosen k = {r['k']}")
+        where = "before round 0" if r["round"] < 0 else f"round {r['round']}"
+        value = "" if r["value"] is None else f", {key.split('.')[-1]} = {r['value']:.4g}"
+        ax.set_title(f"{r['algorithm']} {key}=auto, {where}{value}\nmargin {r['margin'] if r['margin'] is not None else float('nan'):.3f}",
+                     fontsize=9)
+        ax.set_xlabel("clusters k")
+        ax.set_ylabel("silhouette")
+        ax.legend(fontsize=7)
+    if len(rounds) > 1:
+        ax = axes[0][-1]
+        for key in latest:
+            rs = [r for r in rounds if r["key"] == key]
+            ax.step([r["round"] for r in rs], [r["k"] for r in rs], where="post", label=key)
+        ax.set_xlabel("round")
+        ax.set_ylabel("chosen k")
+        ax.set_title("decisions over the rounds", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -23,6 +23,7 @@ from prefect.utilities.annotations import quote as Q
 
 import tasks
 from flockfl import rounds, training
+from flockfl.algorithms import auto
 from flockfl.config import ExperimentConfig
 from flockfl.engine import TrainResult
 from flockfl.evaluation import summarise
@@ -208,6 +209,8 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
             groups = prep.ctx.data.group[rows.numpy()] if rows is not None else prep.ctx.data.group
             for name, m in (state.algo.get("matrices") or {}).items():
                 files.append(plots.matrix_heatmap(m.numpy(), groups, name, plot_dir / f"{name}.png"))
+        if cfg.tracking.plots and state.meta.get(auto.META_KEY):  # the evidence of algorithm.*=auto
+            files.append(plots.auto_choice(state.meta[auto.META_KEY], plot_dir / "auto_choice.png"))
     # what `flock report` draws the assignment heat-maps from: cluster per client per round
     # (-1 = not assigned) and each client's true group (-1 = unknown)
     hist = np.asarray(state.assignment_history)
@@ -220,6 +223,7 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
     # what the job needs, taken now (it must not hold on to the prepared run: a sweep's next run is
     # loading meanwhile): the model template, the final tensors and one input example
     model, models, newcomers = prep.ctx.model, state.models, state.meta.get("newcomers")
+    choices = state.meta.get(auto.META_KEY)
     example = prep.ctx.data.train.x[:2].cpu().numpy()
     name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
     digest = state.digest()
@@ -233,6 +237,8 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
                 t.log_artifact(f, "plots")
             if newcomers is not None:
                 t.log_dict(newcomers, "newcomers.json")
+            if choices:
+                t.log_dict({"decisions": choices}, "auto_choices.json")
             ckpts = sorted((run_dir / "checkpoints").glob("ckpt-*.pt"))
             if ckpts:  # per-client rows stay in the run directory: MLflow gets a reference, not a copy
                 t.log_dict(checkpoint_reference(run_dir, ckpts[-1], digest), "checkpoint/reference.json")
@@ -293,6 +299,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         save(st)  # resume never redoes it
         if tracker:
             tracker.log_pre_federation(st.meta["pre_federation"])
+            for rec in st.meta.get(auto.META_KEY, []):  # a threshold chosen before round 0 (algorithm.*=auto)
+                tracker.log_values(auto.metrics(rec), step=0)
         phases["pre_federation"] = time.perf_counter() - clock["drive0"]  # the algorithm's one-shot step
         clock.update(t0=time.perf_counter(), body0=tasks.BODY_SECONDS[0])
 
@@ -369,6 +377,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                            + sum(v for k, v in state.meta.get("pre_federation", {}).items() if k.startswith("bytes"))),
         **({"pre_federation": state.meta["pre_federation"]} if "pre_federation" in state.meta else {}),
         **({"newcomers": state.meta["newcomers"]} if "newcomers" in state.meta else {}),
+        **({"auto": auto.summary(state.meta)} if auto.META_KEY in state.meta else {}),
     }
     out["body_at"] = (t_start, time.perf_counter())  # for run_experiment's flow_start / flow_end phases
     return out

@@ -44,7 +44,9 @@ from flockfl.aggregation import rows, weighted_mean
 from flockfl.algorithms.base import Algorithm
 from flockfl.evaluation import client_model_losses
 from flockfl.client import train_from
-from flockfl.algorithms.hyper import choice, declared, integer, missing, real, weighting
+from flockfl.algorithms.auto import recorded
+from flockfl.algorithms.hyper import choice, declared, integer, is_auto, missing, real, weighting
+from flockfl.clustering.choose import Choice, choose_cut
 from flockfl.algorithms.oneshot import OneShotClustering
 from flockfl.errors import ConfigError
 from flockfl.engine.functional import stacked_outputs
@@ -53,7 +55,10 @@ HYPER = (
     weighting("samples", source="thesis", note="Alg. 4 and 6: the |D_k|-weighted mean of each cluster"),
     integer("server_data_size", 2500, "samples of the server's own data (held out of every client)", "M̃", ge=1,
             source="thesis", note="§3.3 footnote 2: 2500 samples"),
-    real("beta", None, "similarity threshold: 0 gives FedAvg, 1 local training", "β", ge=0, le=1, source="data",
+    real("beta", None, "similarity threshold: 0 gives FedAvg, 1 local training; auto: the cut of 1 − A with the best "
+         "mean silhouette (HC: its own linkage, once; DC: complete linkage, so every cluster is a clique at β, each "
+         "round), 0 if none clears 0.25 (flockfl.clustering.choose; 'FLIS + auto β' in tables)", "β", ge=0, le=1,
+         auto=True, source="data",
          note="thesis Fig. 3.4, label skew 20%: 0.5 on FMNIST, 0.3 on CIFAR-10 and SVHN; the code's scripts 0.4 (DC) "
               "and 0.45 (HC) on CIFAR-10 Dir(0.5)"),
     choice("outputs", "onehot", ("onehot", "soft"), "B_k: one-hot predicted labels (code) or softmax outputs",
@@ -91,6 +96,16 @@ class FLISBase(Algorithm):
     def similarity(self, b: np.ndarray) -> np.ndarray:
         return clustering.inference_similarity(b, self.cfg.algorithm.similarity)
 
+    def auto_beta(self, sim: np.ndarray, linkage: str) -> tuple[float, Choice]:
+        """β = 1 − the chosen cut of d = 1 − A (0, everyone together, for one cluster)."""
+        choice = choose_cut(1.0 - sim, linkage)
+        return (0.0 if choice.value is None else 1.0 - choice.value), choice
+
+    def beta(self, state) -> float:
+        """The β in force: the configured one, or the last one ``auto`` chose (kept in the state)."""
+        b = self.cfg.algorithm.beta
+        return float(state.algo.get("beta_used", 0.0)) if is_auto(b) else b  # auto before any decision: FedAvg's 0
+
     def solo_models(self, state, ctx, clients: np.ndarray, round: int, stream: str) -> dict[str, torch.Tensor]:
         """θ_g^0 trained for E local epochs on each listed client's own data."""
         return train_from(ctx, state, state.algo["theta0"], clients, epochs=self.cfg.train.local_epochs, round=round,
@@ -125,22 +140,31 @@ class FLISDC(FLISBase):
     def eval_assignment(self, state, ctx):
         return self.choose(state, ctx, np.arange(ctx.num_clients))
 
-    def overlapping_clusters(self, ctx, result) -> tuple[list[np.ndarray], np.ndarray]:
+    def overlapping_clusters(self, ctx, result) -> tuple[list[np.ndarray], np.ndarray, Choice | None, float]:
         """ISC (Alg. 5): one cluster per participant's row of A, identical member sets kept once
-        (first-seen order); returns (clusters, the cluster of each participant's own row)."""
-        rows = clustering.threshold_clusters(self.similarity(self.inferences(ctx, result.params)), self.cfg.algorithm.beta)
+        (first-seen order); returns (clusters, the cluster of each participant's own row, the
+        ``auto`` decision or None, β)."""
+        sim = self.similarity(self.inferences(ctx, result.params))
+        choice, beta = None, self.cfg.algorithm.beta
+        if is_auto(beta):
+            beta, choice = self.auto_beta(sim, "complete")
+        rows = clustering.threshold_clusters(sim, beta)
         index: dict[tuple, int] = {}
         own = np.array([index.setdefault(tuple(int(m) for m in r), len(index)) for r in rows], np.int64)
-        return [np.array(key, np.int64) for key in index], own
+        return [np.array(key, np.int64) for key in index], own, choice, beta
 
     def cluster(self, state, ctx, spec, result):
         return self.overlapping_clusters(ctx, result)[1]
 
     def aggregate(self, state, ctx, spec, result, assign):
         """T_{t+1} models: the |D_k|-weighted mean of each (overlapping) cluster's members."""
-        clusters, _ = self.overlapping_clusters(ctx, result)
+        clusters, _, choice, beta = self.overlapping_clusters(ctx, result)
         means = [weighted_mean(rows(result.params, m), self.weights(result, m)) for m in clusters]
         models = {k: torch.stack([mean[k] for mean in means]) for k in result.params}
+        if choice is not None:
+            state = recorded(state, choice, "algorithm.beta", self.name, state.round, value=beta, unit="similarity",
+                             cut_distance=choice.value)
+            state = state.replace(algo={**state.algo, "beta_used": torch.tensor(float(beta), dtype=torch.float64)})
         return self._with_assignments(state, models, result.clients, assign)
 
     def comm_bytes(self, state, clients):
@@ -152,7 +176,7 @@ class FLISDC(FLISBase):
         b_new, b_clusters = self.inferences(ctx, own), self.inferences(ctx, state.models)
         sim = self.similarity(np.concatenate([b_new, b_clusters]))[: len(newcomers), len(newcomers):]
         best = sim.argmax(1)
-        beta = self.cfg.algorithm.beta
+        beta = self.beta(state)
         assign, extra = best.copy(), []
         for b in range(len(newcomers)):
             if sim[b, best[b]] < beta:
@@ -179,12 +203,20 @@ class FLISHC(FLISBase, OneShotClustering):
         state = state.replace(algo={**state.algo, "theta0": theta})
         b = self.inferences(ctx, self.solo_models(state, ctx, ctx.seen, -1, "pre_federation"))
         sim = self.similarity(b)
-        labels = clustering.hierarchical_clusters(1.0 - sim, threshold=1.0 - a.beta + 1e-12, linkage=a.linkage)
+        extra = {}
+        beta = a.beta
+        if is_auto(beta):
+            beta, choice = self.auto_beta(sim, a.linkage)
+            state = recorded(state, choice, "algorithm.beta", self.name, -1, log=False, value=beta, unit="similarity",
+                             cut_distance=choice.value)
+            extra["beta_used"] = torch.tensor(float(beta), dtype=torch.float64)
+        labels = clustering.hierarchical_clusters(1.0 - sim, threshold=1.0 - beta + 1e-12, linkage=a.linkage)
         predictions = torch.from_numpy(b.argmax(-1).astype(np.int16)) if a.outputs == "onehot" else torch.from_numpy(b)
         state = self.clustered_state(state, ctx, labels, {
             "matrices": {"flis_similarity": torch.from_numpy(sim)},
             "matrix_clients": torch.from_numpy(ctx.seen.copy()),
             "server_predictions": predictions,
+            **extra,
         })
         per_model = self.model_bytes(state)
         return state.replace(meta={**state.meta, "pre_federation_bytes": {"up": len(ctx.seen) * per_model,
@@ -202,7 +234,7 @@ class FLISHC(FLISBase, OneShotClustering):
         for b in range(len(newcomers)):
             d = clustering.point_to_cluster_distances(1.0 - sim[b], labels, a.linkage)
             j = int(np.argmin(d))
-            if d[j] <= 1.0 - a.beta + 1e-12:
+            if d[j] <= 1.0 - self.beta(state) + 1e-12:
                 assign[b] = j
             else:
                 assign[b] = state.k + len(extra)
@@ -210,7 +242,7 @@ class FLISHC(FLISBase, OneShotClustering):
         if extra:
             idx = torch.tensor(extra)
             state = state.replace(models={k: torch.cat([v, own[k][idx]]) for k, v in state.models.items()})
-        return state, assign, f"nearest cluster by {a.linkage} linkage on 1 − A if ≤ 1 − β, else its own model"
+        return state, assign, f"nearest cluster by {a.linkage} linkage on 1 − A if ≤ 1 − β={self.beta(state):.3g}, else its own model"
 
     def comm_bytes(self, state, clients):
         per_model = self.model_bytes(state)

@@ -27,6 +27,13 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 
+AUTO = "auto"  # the value of a key read from the data (flockfl.clustering.choose)
+
+
+def is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO
+
+
 # where a default comes from (``Hyper.source``)
 SOURCES: dict[str, str] = {
     "paper": "the method's publication (paper, or the seed that publishes it)",
@@ -54,6 +61,7 @@ class Hyper:
     lt: Optional[float] = None
     choices: tuple = ()
     optional: bool = False  # None is allowed (the meaning says what None stands for)
+    auto: bool = False  # the word "auto" is allowed: the method reads the value from its evidence (clustering.choose)
     source: str = ""
     note: str = ""
 
@@ -79,13 +87,15 @@ class Hyper:
             text = f"{lo}x{hi}" if (lo or hi) else noun
             if self.kind == "int" and (lo or hi):
                 text += ", an integer"
-        return text + (", or null" if self.optional else "")
+        return text + (", or auto" if self.auto else "") + (", or null" if self.optional else "")
 
     # ------------------------------------------------------------------ checking
     def check(self, value: Any, algorithm: str) -> Any:
         """The value, coerced to its kind; ValueError (one line) when it is not allowed."""
         where = f"algorithm.{self.name}"
         bad = f"{where}: {value!r} is not allowed for {algorithm}; allowed: {self.allowed()}"
+        if self.auto and value == AUTO:
+            return AUTO
         if value is None:
             if self.optional or self.source == "data":  # data: unset, the algorithm's check_config says what to set
                 return None

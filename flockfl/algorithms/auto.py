@@ -1,0 +1,47 @@
+"""``auto`` keys: a method's threshold or cluster count read from its own evidence.
+
+The criterion is :mod:`flockfl.clustering.choose` (mean silhouette on the method's distances,
+with Kaufman & Rousseeuw's one-cluster test). Every decision is kept in the run state,
+``state.meta['auto_choices']`` (a list of :meth:`Choice.record` dicts: key, round, k, value,
+score, margin and the criterion's curve over the candidates), so a resumed run has it and never
+re-decides a past round; ``flock run --json`` prints the latest decision per key and a compact
+history, MLflow gets them as ``auto_choices.json`` and the curve as ``plots/auto_choice.png``,
+and ``flock report`` draws the curves of every run beside each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flockfl.clustering.choose import Choice
+from flockfl.state import ServerState, log_round
+
+META_KEY = "auto_choices"
+
+
+def recorded(state: ServerState, choice: Choice, key: str, algorithm: str, round: int, log: bool = True,
+             **extra: Any) -> ServerState:
+    """The state with the decision appended to ``meta['auto_choices']``; with ``log`` (a decision
+    inside a round) the round's history row gets ``auto_k``, ``auto_score`` and ``auto_margin``
+    (and so MLflow's metrics)."""
+    rec = choice.record(key, algorithm, round, **extra)
+    state = state.replace(meta={**state.meta, META_KEY: list(state.meta.get(META_KEY, [])) + [rec]})
+    if log:
+        log_round(state, auto_k=choice.k, auto_score=rec["score"] or 0.0, auto_margin=rec["margin"] or 0.0)
+    return state
+
+
+def summary(meta: dict) -> dict:
+    """What ``flock run --json`` prints under ``auto``: the number of decisions, the latest one
+    per key (curve included) and every decision without its curve."""
+    recs = meta.get(META_KEY) or []
+    latest: dict[str, dict] = {}
+    for r in recs:
+        latest[r["key"]] = r
+    return {"decisions": len(recs), "latest": list(latest.values()),
+            "history": [{k: v for k, v in r.items() if k != "curve"} for r in recs]}
+
+
+def metrics(rec: dict) -> dict[str, float]:
+    """A decision as MLflow metrics (``auto_k``, ``auto_value``, ``auto_score``, ``auto_margin``)."""
+    return {f"auto_{k}": float(rec[k]) for k in ("k", "value", "score", "margin") if rec.get(k) is not None}

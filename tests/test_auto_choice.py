@@ -1,0 +1,211 @@
+"""``auto`` thresholds and cluster counts (flockfl.clustering.choose, flockfl.algorithms.auto):
+the criterion on hand-made proximity matrices with known structure (and none), the one-shot
+methods (PACFL, FLIS-HC) and FLIS-DC choosing β from their own evidence, the evidence in the
+state, ``flock run --json`` and MLflow, resume, newcomers, and bad values."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from conftest import assert_resume_bit_identical, last_json, run_flock, tiny_config
+
+from flockfl.clustering import ari
+from flockfl.clustering.choose import FLOOR, choose_cut, choose_kmeans, cosine_distance
+from flockfl.experiments import validate
+from flockfl.rounds import prepare, run_rounds
+
+
+def blocks(sizes, within, between, noise=0.0, seed=0):
+    """A distance matrix: ``within`` inside each group, ``between`` across (a matrix for nested
+    levels), plus symmetric uniform noise."""
+    g = np.repeat(np.arange(len(sizes)), sizes)
+    b = np.asarray(between, float)
+    d = b[g][:, g] if b.ndim == 2 else np.where(g[:, None] == g[None, :], within, between).astype(float)
+    if b.ndim == 2:
+        d = np.where(g[:, None] == g[None, :], within, d)
+    rng = np.random.default_rng(seed)
+    e = rng.uniform(0, noise, d.shape)
+    d = d + (e + e.T) / 2
+    np.fill_diagonal(d, 0)
+    return d, g
+
+
+@pytest.mark.parametrize("linkage", ["weighted", "average", "complete", "single"])
+def test_three_clear_groups_are_found_with_their_threshold(linkage):
+    d, g = blocks([5, 7, 6], 1.0, 10.0, noise=0.5)
+    c = choose_cut(d, linkage)
+    assert c.k == 3 and ari(g, c.labels) == 1.0
+    # the threshold lies between the groups' spread and their distance: cutting there gives them back
+    assert 1.0 < c.value < 10.0
+    assert c.score > FLOOR and c.margin > 0
+    assert [p["k"] for p in c.curve] == sorted(p["k"] for p in c.curve)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_no_structure_gives_one_cluster(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(30, 64))  # isotropic clients: nothing to find
+    d = np.linalg.norm(x[:, None] - x[None], axis=-1)
+    for c in (choose_cut(d, "weighted"), choose_cut(d, "complete"), choose_kmeans(x, seed)):
+        assert c.k == 1 and (c.labels == 0).all() and c.value is None
+        assert c.score <= FLOOR and c.margin > 0
+    # identical clients (all distances zero) too
+    assert choose_cut(np.zeros((8, 8)), "average").k == 1
+
+
+def test_nested_groups_resolve_to_the_finest_clear_level():
+    # four groups in two pairs: within 1, inside a pair 4, across pairs 12 (PACFL on rotated digits)
+    across = np.array([[0, 4, 12, 12], [4, 0, 12, 12], [12, 12, 0, 4], [12, 12, 4, 0]], float)
+    d, g = blocks([6, 6, 6, 6], 1.0, across, noise=0.3)
+    c = choose_cut(d, "weighted")
+    assert c.k == 4 and ari(g, c.labels) == 1.0
+    two = [p for p in c.curve if p["k"] == 2][0]
+    # the coarse level has the best mean silhouette; its halves still hold reasonable structure
+    assert two["score"] > c.score and two["worst_cluster"] > 0.5
+    assert "nested" in c.reason
+
+
+def test_a_noisy_group_is_not_shredded():
+    # three far groups, each with weak inner structure (two loose halves): stays 3 clusters
+    rng = np.random.default_rng(1)
+    pts = np.concatenate([rng.normal(size=(8, 8)) * 0.5 + np.eye(8)[i] * 20 for i in range(3)])
+    pts[::2] += 0.4  # a weak sub-structure inside each group
+    d = np.linalg.norm(pts[:, None] - pts[None], axis=-1)
+    c = choose_cut(d, "average")
+    assert c.k == 3
+
+
+def test_too_few_clients_keep_one_cluster_and_say_why():
+    c = choose_cut(np.array([[0.0, 5.0], [5.0, 0.0]]), "single")
+    assert c.k == 1 and "too few" in c.reason
+
+
+def test_kmeans_finds_blobs_and_cosine_distance():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(4, 20)) * 10
+    g = np.repeat(np.arange(4), 8)
+    x = centres[g] + rng.normal(size=(32, 20))
+    c = choose_kmeans(x, 0)
+    assert c.k == 4 and ari(g, c.labels) == 1.0
+    cd = cosine_distance(x)
+    assert np.allclose(np.diag(cd), 0) and cd.max() <= 2 + 1e-12
+    assert choose_kmeans(x, 0, dist=cd).k == 4
+
+
+def test_a_broken_matrix_is_a_clear_error():
+    with pytest.raises(ValueError, match="NaN or inf"):
+        choose_cut(np.full((4, 4), np.nan), "average")
+    with pytest.raises(ValueError, match="square"):
+        choose_cut(np.zeros((3, 4)), "average")
+
+
+# ---------------------------------------------------------------------- the methods
+
+DISJOINT = {"scheme": "sc_niid", "rho": 100, "sc_clusters": 3, "num_clients": 15, "server_holdout": 300}
+
+
+def cfg_of(algo: dict, partition: dict | None = None, **train):
+    return validate(tiny_config(model={"hidden": 32}, algorithm=algo, partition=partition or DISJOINT,
+                                train={"rounds": 2, "clients_per_round": 15, "local_epochs": 10, "batch_size": 10,
+                                       "lr": 0.1, **train}))
+
+
+@pytest.mark.parametrize("algo", [{"name": "pacfl", "beta": "auto"},
+                                  {"name": "flis_hc", "beta": "auto", "server_data_size": 300}],
+                         ids=["pacfl", "flis_hc"])
+def test_one_shot_methods_find_disjoint_label_groups(tmp_path, algo):
+    prep = prepare(cfg_of(algo), tmp_path)
+    state = run_rounds(prep, until=1)
+    truth = prep.ctx.data.group[prep.ctx.seen]
+    assert ari(truth, state.assignments[prep.ctx.seen]) == 1.0 and state.k == 3
+    rec = state.meta["auto_choices"][-1]
+    assert rec["key"] == "algorithm.beta" and rec["round"] == -1 and rec["k"] == 3
+    assert rec["criterion"] == "silhouette" and rec["margin"] > 0 and rec["curve"]
+    # the chosen β is the one in force (PACFL: newcomers use it), and cutting at it gives the clusters
+    used = float(state.algo["beta_used"])
+    assert used == pytest.approx(rec["value"])
+    if algo["name"] == "pacfl":
+        prox = state.algo["matrices"]["pacfl_proximity"].numpy()
+        again = run_rounds(prepare(cfg_of({**algo, "beta": used}), tmp_path), until=1)
+        assert ari(again.assignments[prep.ctx.seen], state.assignments[prep.ctx.seen]) == 1.0
+        assert prox.shape == (15, 15)
+
+
+def test_iid_clients_get_one_cluster(tmp_path):
+    prep = prepare(cfg_of({"name": "pacfl", "beta": "auto"}, {"scheme": "iid", "num_clients": 15}), tmp_path)
+    state = run_rounds(prep, until=1)
+    assert state.k == 1 and state.meta["auto_choices"][-1]["value"] is None
+    assert float(state.algo["beta_used"]) == float("inf")
+
+
+def test_flis_dc_decides_every_round_and_logs_it(tmp_path):
+    cfg = cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300})
+    state = run_rounds(prepare(cfg, tmp_path))
+    recs = state.meta["auto_choices"]
+    assert [r["round"] for r in recs] == [0, 1]
+    assert all(r["k"] == 3 for r in recs)
+    assert state.history[-1]["auto_k"] == 3 and state.history[-1]["auto_margin"] > 0
+    assert float(state.algo["beta_used"]) == pytest.approx(recs[-1]["value"])
+
+
+@pytest.mark.parametrize("algo", [{"name": "pacfl", "beta": "auto"},
+                                  {"name": "flis_dc", "beta": "auto", "server_data_size": 300}], ids=["pacfl", "flis_dc"])
+def test_resume_with_auto_is_bit_identical(tmp_path, algo):
+    full, resumed = assert_resume_bit_identical(cfg_of(algo, rounds=3, engine="vectorized"), tmp_path, until=1)
+    assert resumed.meta["auto_choices"] == full.meta["auto_choices"]
+
+
+def test_newcomers_use_the_chosen_beta(tmp_path):
+    cfg = cfg_of({"name": "pacfl", "beta": "auto"}, {**DISJOINT, "num_clients": 24, "unseen_fraction": 0.25},
+                 clients_per_round=18)
+    prep = prepare(cfg, tmp_path)
+    state = run_rounds(prep)
+    info = state.meta["newcomers"]
+    truth = prep.ctx.data.group
+    old = prep.ctx.seen
+    # each newcomer joins the cluster of its true group (PME with the chosen β)
+    by_group = {int(truth[c]): int(state.assignments[c]) for c in old}
+    assert len(by_group) == 3 and state.k == 3 and len(info["clients"]) == 6
+    assert [by_group[int(truth[c])] for c in info["clients"]] == list(info["clusters"])
+    assert "β=" in info["rule"]
+
+
+@pytest.mark.parametrize("value, name, words", [
+    ("automatic", "pacfl", "algorithm.beta: 'automatic' is not allowed for pacfl; allowed: 0 < x, or auto"),
+    ("Auto", "flis_hc", "algorithm.beta: 'Auto' is not allowed for flis_hc"),
+])
+def test_bad_values_are_one_line(value, name, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        validate(tiny_config(algorithm={"name": name, "beta": value}))
+
+
+def test_auto_beta_and_k_together_are_refused():
+    with pytest.raises(ValueError, match="auto chooses the number of clusters itself"):
+        validate(tiny_config(algorithm={"name": "pacfl", "beta": "auto", "k": 2}))
+
+
+def test_the_cli_prints_and_logs_the_evidence(workdir):
+    out = run_flock(["run", "digits_dirichlet", "--json", "--no-progress",
+                     "--set", "dataset.name=digits", "--set", "model.name=mlp", "--set", "model.hidden=32",
+                     "--set", "partition.scheme=sc_niid", "--set", "partition.rho=100", "--set", "partition.sc_clusters=3",
+                     "--set", "partition.num_clients=15", "--set", "train.rounds=1", "--set", "train.clients_per_round=5",
+                     "--set", "algorithm.name=pacfl", "--set", "algorithm.beta=auto"], workdir)
+    assert out.returncode == 0, out.stderr
+    summary = last_json(out.stdout)
+    latest = summary["auto"]["latest"][0]
+    assert summary["auto"]["decisions"] == 1 and latest["k"] == 3 and latest["curve"] and latest["margin"] > 0
+    import mlflow
+
+    client = mlflow.MlflowClient(summary["tracking_uri"])
+    run = client.get_run(summary["run_id"])
+    assert run.data.metrics["auto_k"] == 3 and run.data.metrics["auto_margin"] == pytest.approx(latest["margin"])
+    arts = {a.path for a in client.list_artifacts(summary["run_id"], "plots")} | {
+        a.path for a in client.list_artifacts(summary["run_id"])}
+    assert "plots/auto_choice.png" in arts and "auto_choices.json" in arts
+    got = json.loads(open(client.download_artifacts(summary["run_id"], "auto_choices.json", str(workdir))).read())
+    assert got["decisions"][0]["k"] == 3
+    bad = run_flock(["run", "digits_dirichlet", "--set", "algorithm.name=pacfl", "--set", "algorithm.beta=automatic"],
+                    workdir)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "or auto" in bad.stderr
