@@ -209,3 +209,83 @@ def test_the_cli_prints_and_logs_the_evidence(workdir):
     bad = run_flock(["run", "digits_dirichlet", "--set", "algorithm.name=pacfl", "--set", "algorithm.beta=automatic"],
                     workdir)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "or auto" in bad.stderr
+
+
+# ---------------------------------------------------------------------- methods that train first
+
+SWAP = {"scheme": "label_swap", "k": 4, "label_swap_mode": "random_perm"}
+ROTATED = {"scheme": "rotated", "k": 4, "rotated_mode": "disjoint"}
+
+
+def digits32(algo: dict, partition: dict, rounds: int):
+    """32 digits clients, all training every round (the CFL tests' setting)."""
+    return validate(tiny_config(algorithm=algo, partition={"num_clients": 32, **partition},
+                                train={"rounds": rounds, "clients_per_round": 32, "lr": 0.3, "local_epochs": 2}))
+
+
+def final_ari(state, prep) -> float:
+    seen = prep.ctx.seen
+    return ari(prep.ctx.data.group[seen], state.assignments[seen])
+
+
+@pytest.mark.parametrize("partition, k", [(SWAP, 4), ({"scheme": "iid"}, 1)], ids=["label_swap", "iid"])
+def test_cfl_auto_split_finds_the_groups_and_leaves_iid_whole(tmp_path, partition, k):
+    prep = prepare(digits32({"name": "cfl", "eps1": "auto", "eps2": "auto", "warmup_rounds": 0}, partition, 24), tmp_path)
+    state = run_rounds(prep)
+    assert state.k == k
+    if k > 1:
+        assert final_ari(state, prep) >= 0.95
+        # every split was confirmed by two consecutive tests, and is in the evidence
+        confirmed = [r for r in state.meta["auto_choices"] if r["confirmed"]]
+        assert len(confirmed) == len(state.meta["cfl_splits"]) == k - 1
+        assert all(r["k"] >= 2 and r["score"] > FLOOR for r in confirmed)
+    assert sum(h["auto_tests"] for h in state.history) == len(state.meta["auto_choices"]) > 0
+
+
+@pytest.mark.parametrize("partition, k", [(ROTATED, 4), ({"scheme": "iid"}, 1)], ids=["rotated", "iid"])
+def test_fedac_auto_k_tracks_the_groups(tmp_path, partition, k):
+    prep = prepare(digits32({"name": "fedac", "k": "auto"}, partition, 8), tmp_path)
+    state = run_rounds(prep)
+    assert state.k == k and [r["round"] for r in state.meta["auto_choices"]] == list(range(8))
+    assert state.history[-1]["auto_k"] == k == state.history[-1]["k_clusters"]
+    if k > 1:
+        assert final_ari(state, prep) == 1.0
+
+
+@pytest.mark.parametrize("algo", [{"name": "ifca", "k": "auto", "init": "pretrain_kmeans"},
+                                  {"name": "ifca", "k": "auto", "init": "pretrain_kmeans", "pretrain_embedding": "edc"},
+                                  {"name": "flexcfl", "k": "auto"},
+                                  {"name": "flexcfl", "k": "auto", "group_init": "madc"}],
+                         ids=["ifca-layers", "ifca-edc", "flexcfl-edc", "flexcfl-madc"])
+def test_pre_federation_k_from_the_updates(tmp_path, algo):
+    for partition, k in ((ROTATED, 4), ({"scheme": "iid"}, 1)):
+        prep = prepare(digits32(algo, partition, 1), tmp_path)
+        state = run_rounds(prep)
+        rec = state.meta["auto_choices"][0]
+        assert rec["key"] == "algorithm.k" and rec["round"] == -1 and rec["k"] == k == state.k
+        clients, labels = state.algo["pretrain_clients"].numpy(), state.algo["pretrain_labels"].numpy()
+        assert len(clients) == 32  # k unknown: every federating client pre-trains
+        if k > 1:
+            assert ari(prep.ctx.data.group[clients], labels) == 1.0
+
+
+@pytest.mark.parametrize("algo", [{"name": "cfl", "eps1": "auto", "eps2": "auto", "warmup_rounds": 1},
+                                  {"name": "fedac", "k": "auto"},
+                                  {"name": "ifca", "k": "auto", "init": "pretrain_kmeans"},
+                                  {"name": "flexcfl", "k": "auto"}], ids=["cfl", "fedac", "ifca", "flexcfl"])
+def test_resume_with_auto_keys_is_bit_identical(tmp_path, algo):
+    cfg = validate(tiny_config(algorithm=algo, train={"rounds": 4, "clients_per_round": 6}))
+    full, resumed = assert_resume_bit_identical(cfg, tmp_path, until=2)
+    assert resumed.meta["auto_choices"] == full.meta["auto_choices"] and full.meta["auto_choices"]
+
+
+@pytest.mark.parametrize("algo, words", [
+    ({"name": "cfl", "eps1": "auto"}, "set both to auto or neither"),
+    ({"name": "ifca", "k": "auto"}, "only init=pretrain_kmeans makes"),
+    ({"name": "flexcfl", "k": "auto", "group_init": "rcc"}, "group_init=rcc"),
+    ({"name": "difca", "k": "auto"}, "algorithm.k: 'auto' is not allowed for difca"),
+    ({"name": "fesem", "k": "auto"}, "algorithm.k: 'auto' is not allowed for fesem"),
+])
+def test_auto_where_it_cannot_work_is_one_line(algo, words):
+    with pytest.raises(ValueError, match=words):
+        validate(tiny_config(algorithm=algo))

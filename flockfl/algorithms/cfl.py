@@ -65,7 +65,9 @@ import torch
 
 from flockfl.aggregation import flatten, mean_weights, unflatten, weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import choice, integer, real, sourced_each, weighting
+from flockfl.algorithms.auto import recorded
+from flockfl.algorithms.hyper import choice, integer, is_auto, real, sourced_each, weighting
+from flockfl.clustering.choose import choose_cut
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
 from flockfl.clientstate import ClientTable
 from flockfl.clustering.bipartition import bipartition, cosine_similarities, cross_max, gamma_bound, intra_min
@@ -84,10 +86,12 @@ class CFL(Algorithm):
                 meaning="weights of the updates in a cluster's mean (its FedAvg and the ε₁ test): uniform (the code) "
                         "or samples n_i (the paper)"),
         real("eps1", 0.4, "stationarity: a cluster may split only while the norm of its mean update is below ε₁ "
-             "(the code and the PACFL thesis)", "ε₁", gt=0, source="code",
+             "(the code and the PACFL thesis); auto (with eps2=auto): the split decision is the silhouette test of the "
+             "bipartition on 1 − α instead of the two norms ('CFL + auto split' in tables)", "ε₁", gt=0, auto=True,
+             source="code",
              note="felisat/clustered-federated-learning: EPS_1 = 0.4 (the paper's value: not found)"),
         real("eps2", 1.6, "divergence: ... and its largest client update norm exceeds ε₂ (the code and the PACFL "
-             "thesis)", "ε₂", ge=0, source="code",
+             "thesis); auto: see eps1", "ε₂", ge=0, auto=True, source="code",
              note="felisat/clustered-federated-learning: EPS_2 = 1.6 (the paper's value: not found)"),
         real("gamma_max", None, "accept a split only if γ_max < sqrt((1 − α_cross^max)/2) (the paper's criterion; "
              "null: no check, as the code and the thesis)", "γ_max", ge=0, lt=1, optional=True, source="code",
@@ -108,6 +112,13 @@ class CFL(Algorithm):
                note="felisat/clustered-federated-learning (and the paper's Alg. 2): this round's Δθ_i, every client "
                     "participating; under partial participation the participants only, as KarhouTam/FL-bench cfl.py"),
     )
+
+    @classmethod
+    def check_config(cls, cfg):
+        a = cfg.algorithm
+        if is_auto(a.eps1) != is_auto(a.eps2):
+            raise ValueError(f"algorithm.eps1/eps2: auto replaces both norm tests by one silhouette test, so set both to "
+                             f"auto or neither (given eps1={a.eps1}, eps2={a.eps2})")
 
     # ------------------------------------------------------------------ state
     def init_state(self, ctx):
@@ -154,6 +165,9 @@ class CFL(Algorithm):
         parent, born = state.algo["cfl_parent"].tolist(), state.algo["cfl_born"].tolist()
         new_assign, records = pool_assign.copy(), []
         worst, refused, unplaced = 0.0, 0, 0
+        auto_split, decisions = is_auto(a.eps1), []
+        last, now = dict(state.meta.get("cfl_auto_last", {})), {}
+        found = dict(state.meta.get("cfl_auto_groups", {}))  # cluster → the groups a confirmed test saw in it
         for c in range(state.k):
             members = np.flatnonzero(pool_assign == c)
             if len(members) == 0:
@@ -162,9 +176,16 @@ class CFL(Algorithm):
             mean_norm, max_norm = float(torch.linalg.vector_norm(mean)), float(norms[members].max())
             worst = max(worst, mean_norm)
             if not (len(members) >= a.min_split_size and state.round + 1 > a.warmup_rounds
-                    and mean_norm < a.eps1 and max_norm > a.eps2):
+                    and (auto_split or (mean_norm < a.eps1 and max_norm > a.eps2))):
                 continue
             sim = cosine_similarities(delta[members].numpy())
+            if auto_split:  # split iff the same structure shows in two consecutive tests (see auto_split_test)
+                choice, stable = auto_split_test(sim, a.linkage, pool[members], last.get(str(c)), state.round,
+                                                 found.get(str(c)) == 1)
+                decisions.append((choice, c, len(members), stable))
+                now[str(c)] = {"round": int(state.round), "clients": pool[members].tolist(), "labels": choice.labels.tolist()}
+                if choice.k < 2 or not stable:
+                    continue
             labels = bipartition(sim, a.linkage)
             cross = cross_max(sim, labels)
             if a.gamma_max is not None and not a.gamma_max < gamma_bound(cross):
@@ -174,6 +195,9 @@ class CFL(Algorithm):
             parent.append(c)
             born.append(state.round)
             new_assign[members[labels == 1]] = child
+            if auto_split:  # how many of the test's groups each half holds (1: a group found; see auto_split_test)
+                found[str(c)] = len(np.unique(choice.labels[labels == 0]))
+                found[str(child)] = len(np.unique(choice.labels[labels == 1]))
             absent = [] if stale else np.setdiff1d(ctx.seen[state.assignments[ctx.seen] == c], result.clients)
             unplaced += len(absent)
             records.append({"round": int(state.round), "parent": c, "children": [c, child],
@@ -207,6 +231,12 @@ class CFL(Algorithm):
         else:
             new = super().aggregate(grown, ctx, spec, result, new_assign)
         new = new.replace(algo=algo, meta={**state.meta, "cfl_splits": list(state.meta.get("cfl_splits", [])) + records})
+        for choice, c, size, stable in decisions:  # the evidence of each auto split test
+            new = recorded(new, choice, "algorithm.eps1", self.name, state.round, log=False, cluster=c, members=size,
+                           confirmed=bool(stable and choice.k > 1))
+        if auto_split:
+            new = new.replace(meta={**new.meta, "cfl_auto_last": now, "cfl_auto_groups": found})
+            log_round(new, auto_tests=len(decisions), auto_splits=sum(st and ch.k > 1 for ch, _, _, st in decisions))
         log_round(new, cfl_splits=len(records), cfl_clusters=new.k, cfl_mean_update_norm=worst,
                   cfl_max_update_norm=float(norms.max()), cfl_refused=refused, cfl_unplaced=unplaced)
         return new
@@ -214,6 +244,36 @@ class CFL(Algorithm):
     def admit_newcomers(self, state, ctx, newcomers):
         """A newcomer joins the cluster whose model has the lowest loss on its training data."""
         return state, assign_by_min_loss(cluster_losses(state, ctx, newcomers)), "the lowest-loss cluster model"
+
+
+def auto_split_test(sim: np.ndarray, linkage: str, clients: np.ndarray, last: dict | None, round: int,
+                    one_group: bool = False):
+    """``eps1=auto``: does this cluster hold structure? The criterion of every ``auto`` key
+    (:func:`flockfl.clustering.choose.choose_cut` on 1 − α with CFL's linkage: the best mean
+    silhouette over the cuts, the one-cluster floor, nested groups) must find k ≥ 2 in this
+    round's test *and* in the cluster's test of the round before, with the same partition of the
+    clients both saw (ARI 1): one round of SGD updates is a noisy sample, a true structure shows
+    every round. CFL splits recursively, so a cluster may be one group an earlier confirmed test
+    already found (``one_group``: the test that split its parent saw one group in it); as
+    everywhere (:data:`~flockfl.clustering.choose.NESTED`), such a group is split again only on
+    reasonable structure, a mean silhouette above 0.5 (inside one label-swapped group of eight
+    digits clients, two clients with their own quirks score 0.25–0.27 round after round).
+    Returns (the choice, whether it is confirmed)."""
+    from flockfl.clustering import ari
+    from flockfl.clustering.choose import NESTED
+
+    choice = choose_cut(1.0 - sim, linkage)
+    if one_group and choice.k > 1 and not choice.score > NESTED:
+        choice.reason += f"; this cluster is one group already found: a split needs > {NESTED}"
+        return choice, False
+    if choice.k < 2 or not last or last["round"] != round - 1:
+        return choice, False
+    before = dict(zip(last["clients"], last["labels"]))
+    common = [i for i, c in enumerate(clients.tolist()) if c in before]
+    if len(common) < 3:
+        return choice, False
+    prev = np.array([before[int(clients[i])] for i in common])
+    return choice, len(np.unique(prev)) > 1 and ari(prev, choice.labels[common]) == 1.0
 
 
 # where cfl-pacfl's defaults come from: the thesis's text, or its code (MMorafah/PACFL, which copies felisat's

@@ -65,6 +65,8 @@ start" in tables). DIFCA narrows ``option`` to ``model`` (IFCA option II), ``wei
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any
 
 import numpy as np
@@ -104,7 +106,8 @@ class DIFCA(IFCA):
     hyperparameters = (
         choice("weighting", "uniform", ("uniform",), "unused: DIFCA has no server mean (the gossip's weights are "
                "algorithm.gossip_weighting)", "p_i", source="paper", note="seed 002: the server never averages"),
-        sourced(declared(IFCA)["k"], "library", "seed 002 runs k = p = 4, its data's 4 rotations; 2 as IFCA"),
+        dataclasses.replace(sourced(declared(IFCA)["k"], "library", "seed 002 runs k = p = 4, its data's 4 rotations; "
+                                    "2 as IFCA"), auto=False, meaning="number of cluster models"),
         choice("option", "model", ("model",), "local update: IFCA option II (τ local steps, train.*); option I is not "
                "defined for DIFCA", source="paper", note="seed 002, Alg. 1 l.11: LocalUpdate(θ_ĵ, γ, τ)"),
         sourced(declared(IFCA)["init"], "paper", "seed 002, Alg. 1 l.1: the server publishes k initial models; no "

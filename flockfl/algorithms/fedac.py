@@ -91,7 +91,10 @@ from flockfl.algorithms.hyper import Hyper, choice, integer, real, weighting
 from flockfl.algorithms.layout import Layout, split_layout
 from flockfl.client import round_spec
 from flockfl.clientstate import ClientTable
-from flockfl.clustering.lrcos import coordinates, e_step, em_step, lrcos, pca_map
+from flockfl.algorithms.auto import recorded
+from flockfl.algorithms.hyper import is_auto
+from flockfl.clustering.choose import Choice, choose_cut
+from flockfl.clustering.lrcos import Tuning, coordinates, e_step, em_step, lrcos, m_step, pca_map
 from flockfl.context import RunContext
 from flockfl.evaluation import client_model_losses, cluster_breakdown, family, measure_shared, protocol
 from flockfl.engine.functional import index_params
@@ -116,7 +119,10 @@ class FedAC(Algorithm):
         replace(weighting("samples", source="library", note="Φ^{t+1} is printed as a sum of the φ_i; an n_i-weighted "
                           "mean"), meaning="weights of the participants' embeddings in the global embedding Φ: "
                 "samples (n_i) or uniform"),
-        integer("k", 4, "initial number of clusters (Cluster Number Tuning changes it)", "K⁰", ge=1, **PLACEHOLDER),
+        integer("k", 4, "initial number of clusters (Cluster Number Tuning changes it); auto: one cluster at first, then "
+                "each tuning round K comes from the data (the average-linkage cut of the clients' projected models under "
+                "1 − LrCos with the best silhouette, flockfl.clustering.choose) instead of the a/b rule ('FedAC + auto K' "
+                "in tables)", "K⁰", ge=1, auto=True, **PLACEHOLDER),
         real("mu", 0.01, "pull of ω_i towards its cluster centroid, (μ/2)‖ω_i − Ω_k*‖²", "μ", ge=0, **PLACEHOLDER),
         real("lam", 0.01, "pull of the embedding φ_i towards the global embedding, (λ/2)‖φ_i − Φ‖²", "λ", ge=0,
              **PLACEHOLDER),
@@ -190,7 +196,7 @@ class FedAC(Algorithm):
     # ------------------------------------------------------------------ state
     def init_state(self, ctx: RunContext) -> ServerState:
         lay = self.layout(ctx)
-        n, k0 = ctx.num_clients, self.hp("k")
+        n, k0 = ctx.num_clients, 1 if is_auto(self.hp("k")) else self.hp("k")
         device = self.device(ctx)
         theta0 = init_params(ctx.model, torch_generator(ctx.seed, client=0, purpose="init"))  # every algorithm's θ_0
         w0 = lay.flatten({k: v[None] for k, v in theta0.items()})[0].to(device)
@@ -262,8 +268,13 @@ class FedAC(Algorithm):
         cent = lay.flatten(state.models) if bool(algo["fitted"]) else None
         scope = np.isin(known, clients) if a.e_step == "participants" else np.ones(len(known), bool)
         due = state.round >= a.cnt_warmup and (state.round - a.cnt_warmup) % a.cnt_every == 0
+        auto_k = is_auto(a.k)
+        rule = due and not auto_k  # the seed's a/b rule
         tuned = em_step(x, state.assignments[known], cent, scope, algo["pca"], self.pca_mean(new), cols,
-                        a.merge_threshold if due else -np.inf, a.split_threshold if due else np.inf)
+                        a.merge_threshold if rule else -np.inf, a.split_threshold if rule else np.inf)
+        if due and auto_k:
+            tuned, choice = self.auto_tuning(x, tuned, x if cols is None else x[:, cols])
+            new = recorded(new, choice, "algorithm.k", self.name, state.round)
         assignments = np.full(ctx.num_clients, -1, np.int64)
         assignments[known] = tuned.labels
         algo["fitted"] = torch.tensor(True)
@@ -273,6 +284,25 @@ class FedAC(Algorithm):
                           meta={**new.meta, "fedac_gc": [float(g) for g in tuned.g]})
         log_round(new, k_clusters=len(tuned.centroids), clusters_merged=tuned.merged, clusters_split=tuned.split)
         return new
+
+    @staticmethod
+    def auto_tuning(x: torch.Tensor, tuned: Tuning, coords: torch.Tensor) -> tuple[Tuning, Choice]:
+        """``k=auto``'s Cluster Number Tuning: K from the clients' models (the cut of their
+        average-linkage dendrogram under the Euclidean distances of CNT's coordinates with the best
+        silhouette, nested groups and the one-cluster test as every ``auto`` key). These distances
+        are those of the models projected on *all* their principal components (a projection on
+        the span of the centred models keeps every pairwise distance); LrCos's D ≤ 10 components
+        would not do: 32 IID clients in 10 dimensions show silhouettes ≈ 0.3 at k ≈ 15, noise
+        that looks like structure in few dimensions. When the chosen K differs from the EM
+        step's, the chosen partition replaces it (centroids: its members' means); else the EM
+        step stands."""
+        c = coords.double()
+        choice = choose_cut(torch.cdist(c, c).cpu().numpy(), "average")
+        k = len(tuned.centroids)
+        if choice.k == k:
+            return tuned, choice
+        centroids, labels = m_step(x, choice.labels)
+        return Tuning(labels, centroids, max(0, k - choice.k), max(0, choice.k - k), tuned.g), choice
 
     # ------------------------------------------------------------------ evaluation
     def eval_assignment(self, state: ServerState, ctx: RunContext) -> np.ndarray:

@@ -100,6 +100,9 @@ from flockfl import clustering
 from flockfl.algorithms.grouped import GroupedClients, from_row, rows64, shift_hypers, with_round_log
 from flockfl.algorithms.hyper import Hyper, choice, integer, real, sourced_each, weighting
 from flockfl.client import train_from
+from flockfl.algorithms.auto import recorded
+from flockfl.algorithms.hyper import is_auto
+from flockfl.clustering.choose import Choice, choose_cut, choose_kmeans, cosine_distance
 from flockfl.clustering.groups import eq8_assign, inter_group, kmeans_partition, madc_matrix
 from flockfl.context import RunContext
 from flockfl.evaluation import family, measure_shared, protocol
@@ -113,7 +116,9 @@ class FlexCFL(GroupedClients):
              "IEEE TPDS 33(11) 2022 (migration=false: FedGroup)")
     hyperparameters = (
         weighting("samples", source="paper", note="Alg. 2: FedAvg (n_i) inside each group"),
-        integer("k", 3, "number of groups", "m", ge=1, source="paper",
+        integer("k", 3, "number of groups; auto: every federating client pre-trains and m is the group cold start's "
+                "k (EDC + k-means; MADC + complete linkage) with the best silhouette, one group if none clears 0.25 "
+                "(flockfl.clustering.choose; 'FlexCFL + auto m' in tables)", "m", ge=1, auto=True, source="paper",
                 note="m = 3 on MNIST (Fig. 3); 5 on FEMNIST and FashionMNIST (Fig. 4) and on Synthetic (code)"),
         integer("alpha", 20, "pre-training scale: min(α·m, N) clients pre-train for the group cold start", "α", ge=1,
                 source="paper", note="§5.1: α = 20"),
@@ -159,14 +164,39 @@ class FlexCFL(GroupedClients):
         return params, rows64(params) - w0
 
     # ------------------------------------------------------------------ group cold start
+    @classmethod
+    def check_config(cls, cfg):
+        super().check_config(cfg)
+        if is_auto(cfg.algorithm.k) and cfg.algorithm.group_init == "rcc":
+            raise ValueError("algorithm.k: auto reads m from the pre-training updates' clustering, and group_init=rcc "
+                             "makes none (m random centres); use group_init=edc or madc, or a number of groups")
+
+    def auto_groups(self, delta: np.ndarray, seed: int) -> Choice:
+        """k=auto: the group cold start's own clustering at each m (EDC + k-means, or the cuts of
+        MADC's complete-linkage dendrogram), scored on the cosine distances of the updates (what
+        EDC approximates and MADC is computed from: MADC itself, a distance between rows of
+        cosines, shows a 0.38 silhouette on IID clients)."""
+        a = self.cfg.algorithm
+        if a.group_init == "madc":
+            return choose_cut(madc_matrix(delta), "complete", score_on=cosine_distance(delta))
+        rs = int(np_rng(seed, purpose="flexcfl/kmeans").integers(2**31 - 1))
+        return choose_kmeans(delta, rs, dist=cosine_distance(delta), partition=lambda rows, k: kmeans_partition(
+            clustering.edc_embedding(delta[rows], k), k, rs, a.kmeans_max_iter))
+
     def pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
         a = self.cfg.algorithm
-        m = a.k
+        auto_m = is_auto(a.k)
+        m = None if auto_m else a.k
         rng = np_rng(ctx.seed, purpose="flexcfl/pretrain_clients")
-        count = min(m if a.group_init == "rcc" else a.alpha * m, len(ctx.seen))
+        # k=auto: m is unknown, so every federating client pre-trains (the evidence of the choice)
+        count = len(ctx.seen) if auto_m else min(m if a.group_init == "rcc" else a.alpha * m, len(ctx.seen))
         chosen = np.sort(rng.choice(ctx.seen, size=count, replace=False)).astype(np.int64)
         params, delta = self.pretrain(state, ctx, chosen, -1, "flexcfl/pretrain")
-        if a.group_init == "rcc":
+        if auto_m:
+            choice = self.auto_groups(delta, ctx.seed)
+            m, labels = choice.k, choice.labels
+            state = recorded(state, choice, "algorithm.k", self.name, -1, log=False, group_init=a.group_init)
+        elif a.group_init == "rcc":
             labels = np.arange(count, dtype=np.int64)
         elif a.group_init == "madc":
             labels = (clustering.hierarchical_clusters(madc_matrix(delta), n_clusters=min(m, count), linkage="complete")

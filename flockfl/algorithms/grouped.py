@@ -12,7 +12,7 @@ import torch
 
 from flockfl.aggregation import flatten, unflatten
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import Hyper, choice, real
+from flockfl.algorithms.hyper import Hyper, choice, is_auto, real
 from flockfl.clustering.groups import label_counts, shift_detected
 from flockfl.context import RunContext
 from flockfl.engine.functional import index_params
@@ -74,12 +74,13 @@ class GroupedClients(Algorithm):
 
     @property
     def num_models(self) -> int:
-        return self.cfg.algorithm.k
+        """m; with k=auto (FlexCFL) one until the group cold start chooses m."""
+        return 1 if is_auto(self.cfg.algorithm.k) else self.cfg.algorithm.k
 
     @classmethod
     def check_config(cls, cfg) -> None:
         n = cfg.partition.num_clients
-        if n is not None and cfg.algorithm.k > n:
+        if n is not None and not is_auto(cfg.algorithm.k) and cfg.algorithm.k > n:
             raise ValueError(f"algorithm.k: {cfg.algorithm.k} groups exceed the {n} clients (partition.num_clients); lower it")
 
     def init_state(self, ctx: RunContext) -> ServerState:

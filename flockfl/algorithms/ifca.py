@@ -71,7 +71,9 @@ import torch
 from flockfl import clustering
 from flockfl.aggregation import flatten, rows, weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.hyper import Hyper, choice, integer, real, text, weighting
+from flockfl.algorithms.auto import recorded
+from flockfl.clustering.choose import Choice, choose_kmeans, cosine_distance
+from flockfl.algorithms.hyper import Hyper, choice, integer, is_auto, real, text, weighting
 from flockfl.algorithms.layout import parameter_names, shared_parameters, tie
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
 from flockfl.client import round_spec, train_from
@@ -90,7 +92,9 @@ class IFCA(Algorithm):
     hyperparameters = (
         weighting("uniform", source="paper", note="Alg. 2 option II: unweighted per-cluster mean, as the MNIST/CIFAR "
                   "code; the FEMNIST code weights by n_i"),
-        integer("k", 2, "number of cluster models", "k", ge=1, source="thesis",
+        integer("k", 2, "number of cluster models; auto (with init=pretrain_kmeans): the k-means of the pre-training "
+                "embedding with the best silhouette, one model if none clears 0.25 (flockfl.clustering.choose; 'IFCA + "
+                "k-means start, auto k' in tables)", "k", ge=1, auto=True, source="thesis",
                 note="the thesis's IFCA rows use C = 2 (4 on MIX-4); the paper sets k to its data's distributions: "
                      "2 on rotated CIFAR-10, 4 on rotated MNIST"),
         choice("option", "model", ("model", "gradient"), "II: average models per cluster (model); I: one gradient step "
@@ -122,7 +126,12 @@ class IFCA(Algorithm):
         if a.init == "given" and not a.init_path:
             raise ValueError("algorithm.init_path: init=given needs a file of k stacked models; set algorithm.init_path")
         shared_parameters(a.shared, parameter_names(cfg.model.name, cfg.model.hidden))
-        if a.init == "pretrain_kmeans" and a.pretrain_clients is not None and a.pretrain_clients < a.k:
+        if is_auto(a.k) and a.init != "pretrain_kmeans":
+            raise ValueError(f"algorithm.k: auto reads k from a pre-federation embedding of the clients' updates, which "
+                             f"only init=pretrain_kmeans makes (given init={a.init}); set algorithm.init=pretrain_kmeans "
+                             f"or a number of models")
+        if (a.init == "pretrain_kmeans" and a.pretrain_clients is not None and not is_auto(a.k)
+                and a.pretrain_clients < a.k):
             raise ValueError(f"algorithm.pretrain_clients: {a.pretrain_clients} clients cannot seed k={a.k} clusters; "
                              f"give at least {a.k} (or null)")
         if a.option == "gradient" and cfg.curriculum.ordering != "vanilla":
@@ -140,13 +149,14 @@ class IFCA(Algorithm):
 
     @property
     def num_models(self) -> int:
-        return self.cfg.algorithm.k
+        """k; with k=auto one (θ_0) until the pre-federation step chooses k."""
+        return 1 if is_auto(self.cfg.algorithm.k) else self.cfg.algorithm.k
 
     def has_pre_federation(self) -> bool:
         """An instance method (the base's is a classmethod): only init=pretrain_kmeans with k > 1
         has a step before round 0 (with one model there is nothing to cluster, so k = 1 stays
         plain FedAvg with uniform weights)."""
-        return self.cfg.algorithm.init == "pretrain_kmeans" and self.num_models > 1
+        return self.cfg.algorithm.init == "pretrain_kmeans" and (is_auto(self.cfg.algorithm.k) or self.num_models > 1)
 
     # ------------------------------------------------------------------ initialisation
     def draw_model(self, ctx: RunContext, g: torch.Generator) -> dict[str, torch.Tensor]:
@@ -196,9 +206,12 @@ class IFCA(Algorithm):
         """The clients that pre-train: ``pretrain_clients`` (default max(cohort, 20·k), at
         most every federating client) drawn from the (seed, "pretrain_clients") stream."""
         a, seen = self.cfg.algorithm, ctx.seen
-        want = a.pretrain_clients if a.pretrain_clients is not None else max(self.cfg.train.clients_per_round, 20 * a.k)
+        if is_auto(a.k):  # k unknown: every federating client's evidence (or the given number)
+            want = a.pretrain_clients if a.pretrain_clients is not None else len(seen)
+        else:
+            want = a.pretrain_clients if a.pretrain_clients is not None else max(self.cfg.train.clients_per_round, 20 * a.k)
         count = min(want, len(seen))
-        if count < a.k:
+        if not is_auto(a.k) and count < a.k:
             raise ConfigError(f"algorithm.pretrain_clients: only {count} clients can pre-train, fewer than k={a.k}")
         if count == len(seen):
             return seen.copy()
@@ -217,15 +230,23 @@ class IFCA(Algorithm):
         if a.pretrain_embedding == "layers":
             names = [n for n in names if theta0[n].dim() >= 2] or names
         blocks = [flatten({n: theta0[n][None]}).double().cpu() - flatten({n: res.params[n]}).double().cpu() for n in names]
-        labels = clustering.kmeans_labels(clustering.update_embedding(blocks, a.pretrain_embedding, a.k), a.k, ctx.seed)
-        models = {k: v.clone() for k, v in state.models.items()}
-        for j in range(a.k):
+        if is_auto(a.k):
+            choice = self.auto_k(blocks, ctx.seed)
+            k = choice.k
+            labels = choice.labels
+            state = recorded(state, choice, "algorithm.k", self.name, -1, log=False, embedding=a.pretrain_embedding)
+            models = {n: v[:1].expand(k, *v.shape[1:]).clone() for n, v in state.models.items()}
+        else:
+            k = a.k
+            labels = clustering.kmeans_labels(clustering.update_embedding(blocks, a.pretrain_embedding, k), k, ctx.seed)
+            models = {n: v.clone() for n, v in state.models.items()}
+        for j in range(k):
             members = np.flatnonzero(labels == j)
             if len(members) == 0:  # fewer distinct updates than k: this model keeps its random draw
                 continue
             mean = weighted_mean(rows(res.params, members), self.weights(res, members))
-            for k in models:
-                models[k][j] = mean[k]
+            for n in models:
+                models[n][j] = mean[n]
         if self.shared:
             everyone = weighted_mean({k: res.params[k] for k in self.shared}, self.weights(res, np.arange(len(clients))))
             models = tie(models, self.shared, everyone)
@@ -234,8 +255,20 @@ class IFCA(Algorithm):
         state = state.replace(models=models, assignments=assignments, algo={
             **state.algo, "pretrain_clients": torch.from_numpy(clients), "pretrain_labels": torch.from_numpy(labels)})
         per_model = self.model_bytes(state)
-        return state.replace(meta={**state.meta, "pretrain_cluster_sizes": np.bincount(labels, minlength=a.k).tolist(),
+        return state.replace(meta={**state.meta, "pretrain_cluster_sizes": np.bincount(labels, minlength=k).tolist(),
                                    "pre_federation_bytes": {"up": len(clients) * per_model, "down": len(clients) * per_model}})
+
+    def auto_k(self, blocks: list[torch.Tensor], seed: int) -> Choice:
+        """k=auto: k-means of the embedding at each k (with ``edc``, whose embedding depends on k,
+        each k's EDC k-means), scored on the cosine distances of the updates Δ_i, one measure for
+        every embedding (the ``layers`` embedding's own Euclidean distances put rotated digits'
+        four groups at 0.23, under the floor; the updates' cosines at 0.44)."""
+        how = self.cfg.algorithm.pretrain_embedding
+        updates = torch.cat(blocks, 1).numpy()
+        if how != "edc":
+            return choose_kmeans(clustering.update_embedding(blocks, how, 1), seed, dist=cosine_distance(updates))
+        return choose_kmeans(updates, seed, dist=cosine_distance(updates), partition=lambda rows, k: clustering.kmeans_labels(
+            clustering.edc_embedding(updates[rows], k), k, seed))
 
     # ------------------------------------------------------------------ hooks
     def local_spec(self, state: ServerState, ctx: RunContext, clients: np.ndarray, round: int) -> LocalSpec:

@@ -185,18 +185,22 @@ def best_split_score(d: np.ndarray, candidates: list[tuple[np.ndarray, Optional[
     return max(scores) if scores else -np.inf
 
 
-def choose_cut(dist: np.ndarray, linkage: str, max_k: Optional[int] = None) -> Choice:
+def choose_cut(dist: np.ndarray, linkage: str, max_k: Optional[int] = None,
+               score_on: Optional[np.ndarray] = None) -> Choice:
     """:func:`choose` over the cuts of the agglomerative dendrogram of ``dist`` (the method's own
     ``linkage``); ``value`` is the cut's threshold in the units of ``dist`` (None for one
     cluster: a cut above the highest merge). A cluster's sub-partitions are the cuts of its own
-    dendrogram (the subtree, for these linkages)."""
+    dendrogram (the subtree, for these linkages). The silhouettes are taken on ``dist``, or on
+    ``score_on`` where the method clusters a derived matrix (FlexCFL's MADC, a distance between
+    rows of cosines) and the evidence is another (the cosines of the updates)."""
     d = as_distance(dist)
+    s = d if score_on is None else as_distance(score_on)
 
     def sub(members: np.ndarray) -> float:
-        s = d[np.ix_(members, members)]
-        return best_split_score(s, cut_candidates(s, linkage))
+        idx = np.ix_(members, members)
+        return best_split_score(s[idx], cut_candidates(d[idx], linkage))
 
-    return choose(d, cut_candidates(d, linkage, max_k), sub)
+    return choose(s, cut_candidates(d, linkage, max_k), sub)
 
 
 def choose_kmeans(x: np.ndarray, seed: int, max_k: Optional[int] = None, dist: Optional[np.ndarray] = None,
