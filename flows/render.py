@@ -1,6 +1,7 @@
 """What ``flock report`` and ``flock sweep`` print and write: the tables (final metrics per
-run, mean ± std per combination), the figures (accuracy and ARI per round, assignment
-heat-maps, accuracy against bytes and simulated time) and the Markdown and HTML documents."""
+run, mean ± std per combination, the thresholds and cluster counts ``algorithm.*=auto`` chose),
+the figures (accuracy and ARI per round, assignment heat-maps, accuracy against bytes and
+simulated time, the auto criterion's curves) and the Markdown and HTML documents."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ from pathlib import Path
 from typing import Any, Optional
 
 MAX_HEATMAP_PANELS = 48
+AUTO_HEADING = "Thresholds and cluster counts chosen from the data (auto)"
+AUTO_FIGURE = "auto_choice_curves.png"
+# what every auto decision record holds (flockfl.clustering.choose.Choice.record); the rest are a
+# method's own extras (CFL's cluster, members and confirmed, IFCA's embedding), shown beside the reason
+AUTO_FIELDS = ("key", "algorithm", "round", "criterion", "floor", "nested", "k", "value", "score", "margin", "clients",
+               "reason", "curve", "unit")
 
 
 @dataclass
@@ -25,6 +32,8 @@ class RunSummary:
     assignments: Optional[tuple[Any, Any]] = None  # (history rounds × clients, groups)
     assignments_note: str = ""
     params: dict[str, str] = field(default_factory=dict)
+    auto_choices: list[dict] = field(default_factory=list)  # auto_choices.json's decisions, oldest first
+    auto_note: str = ""  # why a run with an algorithm.*=auto key has none
 
     @property
     def rounds(self) -> Optional[int]:
@@ -121,6 +130,47 @@ def combination_table(runs: list[RunSummary]) -> tuple[list[str], list[list[str]
     return header, rows
 
 
+def auto_latest(run: RunSummary) -> list[tuple[dict, int]]:
+    """(latest decision, number of decisions) per auto key of the run, in first-decided order:
+    a per-round decider (FLIS-DC, FedAC, CFL's split tests) decides many times, and its latest
+    decision is the one the run ended with."""
+    latest: dict[str, dict] = {}
+    count: dict[str, int] = {}
+    for rec in run.auto_choices:
+        latest[rec["key"]] = rec
+        count[rec["key"]] = count.get(rec["key"], 0) + 1
+    return [(latest[k], count[k]) for k in latest]
+
+
+def _decided(rec: dict) -> str:
+    return "before round 0" if rec["round"] < 0 else f"round {rec['round']}"
+
+
+def _auto_value(rec: dict) -> str:
+    """The chosen threshold in the method's units ("" where none applies: k-means methods, or
+    one cluster cut above every merge)."""
+    if rec.get("value") is None:
+        return ""
+    return f"{rec['value']:.4g}" + (f" {rec['unit']}" if rec.get("unit") else "")
+
+
+def _auto_why(rec: dict) -> str:
+    extras = ", ".join(f"{k}={v}" for k, v in rec.items() if k not in AUTO_FIELDS)
+    return "; ".join(p for p in (rec.get("reason", ""), extras) if p)
+
+
+def auto_table(runs: list[RunSummary]) -> tuple[list[str], list[list[str]]]:
+    """One row per (run, auto key): its latest decision (where, the chosen k and value, the
+    criterion's score and margin), how many decisions the run made for that key, and why."""
+    header = ["run", "algorithm", "key", "decided", "chosen k", "value", "score", "margin", "decisions", "why"]
+    rows = []
+    for r in runs:
+        for rec, n in auto_latest(r):
+            rows.append([r.name, rec.get("algorithm", ""), rec["key"], _decided(rec), str(rec["k"]), _auto_value(rec),
+                         _fmt("{:.3f}", rec.get("score")), _fmt("{:.3f}", rec.get("margin")), str(n), _auto_why(rec)])
+    return header, rows
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     def esc(c: str) -> str:
         return str(c).replace("|", "\\|")
@@ -150,6 +200,20 @@ def write_csvs(runs: list[RunSummary], out: Path) -> list[Path]:
             w = csv.DictWriter(fh, fieldnames=fields)
             w.writeheader()
             w.writerows([{k: ("" if v is None else v) for k, v in s.items()} for s in stats])
+    if any(r.auto_choices for r in runs):  # every decision, not only the latest: how a per-round choice moved
+        import json
+
+        files.append(out / "auto_choices.csv")
+        with open(files[-1], "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["run_id", "run_name", "combination", "algorithm", "key", "round", "k", "value", "unit", "score",
+                        "margin", "clients", "criterion", "floor", "nested", "reason", "extras"])
+            for r in runs:
+                for rec in r.auto_choices:
+                    w.writerow([r.run_id, r.name, r.group, *["" if rec.get(k) is None else rec[k] for k in (
+                        "algorithm", "key", "round", "k", "value", "unit", "score", "margin", "clients", "criterion",
+                        "floor", "nested", "reason")],
+                        json.dumps({k: v for k, v in rec.items() if k not in AUTO_FIELDS}, sort_keys=True)])
     return files
 
 
@@ -179,6 +243,58 @@ def _series(runs: list[RunSummary], ykey: str, xkey: Optional[str]) -> list[dict
         label = g if len(rs) == 1 else f"{g} (mean ± std, {len(rs)} seeds)"
         out.append({"label": label, "x": x.mean(0), "y": y.mean(0), "std": y.std(0, ddof=1) if len(rs) > 1 else None})
     return out
+
+
+def auto_curves(panels: list[tuple[str, dict, int]], path: Path, ncols: int = 3) -> Path:
+    """One panel per (title, latest auto decision, number of decisions): the criterion's curve
+    (mean silhouette per candidate k), the worst cluster's own best split where the nested test
+    looked, the one-cluster floor, the nested threshold and the chosen k. The panels share one
+    silhouette scale, so how clear each run's choice was compares at a glance."""
+    import textwrap
+
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    from flockfl.plots import plt
+
+    ncols = max(1, min(ncols, len(panels)))
+    nrows = max(1, -(-len(panels) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 4.0 * nrows), squeeze=False, sharey=True,
+                             layout="constrained")
+    for i, (ax, (title, rec, n)) in enumerate(zip(axes.flat, panels)):
+        curve = rec.get("curve") or []
+        ks = [c["k"] for c in curve]
+        scores = [np.nan if c.get("score") is None else c["score"] for c in curve]
+        ax.plot(ks, scores, "o-", ms=4, color="tab:blue", label=f"mean {rec.get('criterion', 'silhouette')}")
+        tested = [(c["k"], c["worst_cluster"]) for c in curve if c.get("worst_cluster") is not None]
+        if tested:
+            ax.plot(*zip(*tested), "s", color="tab:orange", label="worst cluster's own best split")
+        ax.axhline(rec["floor"], color="grey", ls="--", lw=1, label=f"no structure ≤ {rec['floor']}")
+        if rec.get("nested") is not None:
+            ax.axhline(rec["nested"], color="grey", ls=":", lw=1, label=f"split a group again > {rec['nested']}")
+        ax.axvline(rec["k"], color="tab:green", lw=1.5, label=f"chosen k = {rec['k']}")
+        chosen = scores[ks.index(rec["k"])] if rec["k"] in ks else np.nan  # one cluster: not a candidate
+        if np.isfinite(chosen):
+            ax.plot([rec["k"]], [chosen], "*", ms=13, color="tab:green")
+        if not curve:
+            ax.text(0.5, 0.5, textwrap.fill(f"no candidates: {rec.get('reason', '')}", 40), transform=ax.transAxes,
+                    ha="center", va="center", fontsize=8)
+        ax.set_xlim(left=0.5, right=max([rec["k"], *ks]) + 0.5)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        margin = "n/a" if rec.get("margin") is None else f"{rec['margin']:.3f}"
+        latest = "" if n == 1 else f" (latest of {n})"
+        ax.set_title(f"{textwrap.fill(title, 52)}\n{rec.get('algorithm', '')} {rec['key']}=auto, {_decided(rec)}"
+                     f"{latest}: k = {rec['k']}, margin {margin}", fontsize=8)
+        ax.set_xlabel("clusters k")
+        if i % ncols == 0:
+            ax.set_ylabel(rec.get("criterion", "silhouette"))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def draw_figures(runs: list[RunSummary], out: Path) -> dict[str, Any]:
@@ -219,6 +335,9 @@ def draw_figures(runs: list[RunSummary], out: Path) -> dict[str, Any]:
                   "series": series}], out / fname)
         else:
             made[fname] = f"no run logged {xkey}"
+    panels = [(r.name, rec, n) for r in runs for rec, n in auto_latest(r)]
+    if panels:  # no auto key anywhere: no figure and no section
+        made[AUTO_FIGURE] = auto_curves(panels[:MAX_HEATMAP_PANELS], out / AUTO_FIGURE)
     return made
 
 
@@ -246,6 +365,35 @@ def _sections(title: str, meta: list[tuple[str, str]], runs: list[RunSummary], f
                 missing.append(f"only the first {MAX_HEATMAP_PANELS} of {drawn} runs are drawn")
             if missing and isinstance(fig, Path):
                 blocks.append(("note", "Not drawn: " + "; ".join(missing)))
+            blocks += _auto_section(runs, figures)
+    return blocks
+
+
+def _auto_section(runs: list[RunSummary], figures: dict[str, Any]) -> list[tuple]:
+    """The evidence behind ``algorithm.*=auto``: the latest decision per run and key, and the
+    criterion's curves side by side; nothing when no run has an auto key."""
+    missing = [f"{r.name}: {r.auto_note}" for r in runs if r.auto_note]
+    panels = [rec for r in runs for rec, _ in auto_latest(r)]
+    if not panels and not missing:
+        return []
+    blocks: list[tuple] = [("h2", AUTO_HEADING)]
+    if panels:
+        floors = sorted({rec["floor"] for rec in panels})
+        nested = sorted({rec["nested"] for rec in panels if rec.get("nested") is not None})
+        blocks.append(("note", "Each method scored the partitions it would make at each number of clusters k by the "
+                               "mean silhouette on its own distances and took the best (ties: the fewer clusters); a "
+                               f"best score ≤ {', '.join(map(str, floors))} means no substantial structure, so one "
+                               "cluster" + (f", and a group already found is split again only above "
+                                            f"{', '.join(map(str, nested))}" if nested else "")
+                               + ". The margin is how clear the choice was, in silhouette units. One row per run and "
+                                 "key: its latest decision."))
+        blocks.append(("table", auto_table(runs)))
+        if isinstance(figures.get(AUTO_FIGURE), Path):
+            blocks.append(("img", AUTO_FIGURE))
+            if len(panels) > MAX_HEATMAP_PANELS:
+                blocks.append(("note", f"Not drawn: only the first {MAX_HEATMAP_PANELS} of {len(panels)} curves"))
+    if missing:
+        blocks.append(("note", "No auto evidence: " + "; ".join(missing)))
     return blocks
 
 

@@ -3,14 +3,18 @@
 RUN_OR_PARENT is an MLflow run id (a parent: the report covers the runs whose
 ``mlflow.parentRunId`` tag names it; otherwise that one run), a run directory (``run.json``) or a
 sweep directory (``sweep.json``). The report reads everything from MLflow: final metrics, the
-per-round histories, and each run's ``assignments.npz`` artifact (falling back to the copy in its
-run directory). It writes, in ``--out`` (default ``runs/reports/<name>-<id8>/``):
+per-round histories, each run's ``assignments.npz`` artifact (falling back to the copy in its
+run directory) and, for runs with an ``algorithm.*=auto`` key, its ``auto_choices.json`` (the
+decisions and the criterion's curves). It writes, in ``--out`` (default
+``runs/reports/<name>-<id8>/``):
 
 - ``report.md`` (and with ``--html`` a self-contained ``report.html``, images inlined);
 - ``final_metrics.csv`` (one row per run) and, when sweep combinations have several seeds,
   ``combination_metrics.csv`` (mean and std per combination);
 - ``accuracy_per_round.png``, ``ari_per_round.png``, ``cluster_assignments.png``,
   ``accuracy_vs_comm.png`` and ``accuracy_vs_sim_time.png``;
+- where some run chose a threshold or cluster count itself: ``auto_choices.csv`` (every
+  decision) and ``auto_choice_curves.png`` (each run's latest criterion curve, side by side);
 
 and logs the folder to MLflow under ``report/`` of the parent (or of the single run) unless
 ``--no-log``. This module stays light at import: ``flock`` imports it to build its parser.
@@ -23,15 +27,16 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from flows.render import (RunSummary, _sections, combination_table, combinations, draw_figures, markdown_table, render_html,
-                          render_markdown, run_table, write_csvs)
+from flows.render import (AUTO_FIGURE, AUTO_HEADING, RunSummary, _sections, auto_table, combination_table, combinations,
+                          draw_figures, markdown_table, render_html, render_markdown, run_table, write_csvs)
 
 COMBO_TAG = "flockfl.sweep.combo"
 SEED_TAG = "flockfl.seed"
 HISTORY_KEYS = ("accuracy", "loss", "ari", "comm_bytes", "sim_time", "bytes_total")
 FIGURES = ("accuracy_per_round.png", "ari_per_round.png", "cluster_assignments.png",
-           "accuracy_vs_comm.png", "accuracy_vs_sim_time.png")
-OUTPUTS = ("report.md", "report.html", "final_metrics.csv", "combination_metrics.csv", *FIGURES)
+           "accuracy_vs_comm.png", "accuracy_vs_sim_time.png", AUTO_FIGURE)
+OUTPUTS = ("report.md", "report.html", "final_metrics.csv", "combination_metrics.csv", "auto_choices.csv", *FIGURES)
+AUTO_ARTIFACT = "auto_choices.json"  # what flows.experiment logs for algorithm.*=auto: {"decisions": [...]}
 
 
 def add_parser(sub) -> None:
@@ -98,14 +103,22 @@ def _child_runs(client, parent_id: str) -> list:
     return runs
 
 
-def _assignments(client, run, tmp: Path) -> tuple[Optional[tuple], str]:
+def _artifacts(client, run) -> Optional[set[str]]:
+    """The paths at the top of the run's artifacts; None when the store cannot be listed."""
+    try:
+        return {a.path for a in client.list_artifacts(run.info.run_id)}
+    except Exception:  # an unreachable artifact store: the run directory may still have what is needed
+        return None
+
+
+def _assignments(client, run, tmp: Path, listed: Optional[set[str]]) -> tuple[Optional[tuple], str]:
     """The run's (history, groups) from its ``assignments.npz`` artifact, else from its run
     directory; (None, why) when neither is there."""
     import numpy as np
 
     candidates = []
     try:
-        if any(a.path == "assignments.npz" for a in client.list_artifacts(run.info.run_id)):
+        if listed and "assignments.npz" in listed:
             dst = tmp / run.info.run_id
             dst.mkdir(parents=True, exist_ok=True)
             candidates.append(Path(client.download_artifacts(run.info.run_id, "assignments.npz", str(dst))))
@@ -121,6 +134,35 @@ def _assignments(client, run, tmp: Path) -> tuple[Optional[tuple], str]:
     return None, ("no assignments.npz artifact" + (f" and none in {run_dir}" if run_dir else " and no run directory"))
 
 
+def _auto_choices(client, run, tmp: Path, listed: Optional[set[str]]) -> tuple[list[dict], str]:
+    """The run's ``algorithm.*=auto`` decisions from its ``auto_choices.json`` artifact, oldest
+    first. A run without the artifact and without an auto key gives ([], ""): most runs choose
+    nothing, and the report stays silent about them; one whose params say auto but that has no
+    readable artifact (still running, failed before its end, a store that cannot be reached)
+    gives ([], why), so the report says why its evidence is missing."""
+    import json
+
+    auto_keys = sorted(k for k, v in run.data.params.items() if k.startswith("algorithm.") and v == "auto")
+    keys = ", ".join(f"{k}=auto" for k in auto_keys)
+    if listed is None:
+        return [], (f"{keys}, but its artifacts could not be listed" if auto_keys else "")
+    if AUTO_ARTIFACT not in listed:
+        return [], (f"{keys}, but no {AUTO_ARTIFACT} artifact (it is logged when the run finishes; "
+                    f"status {run.info.status})" if auto_keys else "")
+    dst = tmp / run.info.run_id
+    dst.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(Path(client.download_artifacts(run.info.run_id, AUTO_ARTIFACT, str(dst))).read_text())
+    except Exception as err:  # a download or a JSON error: one line, the rest of the report still stands
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return [], f"{AUTO_ARTIFACT} could not be read ({msg})"
+    decisions = data.get("decisions") if isinstance(data, dict) else None
+    if not isinstance(decisions, list) or not all(
+            isinstance(d, dict) and {"key", "k", "round", "floor"} <= set(d) for d in decisions):
+        return [], f"{AUTO_ARTIFACT} is not a list of decisions (each with key, k, round and floor)"
+    return decisions, ""
+
+
 def load_run(client, run, tmp: Path) -> RunSummary:
     hist = {}
     for key in HISTORY_KEYS:
@@ -133,10 +175,13 @@ def load_run(client, run, tmp: Path) -> RunSummary:
             hist["comm_bytes"][step] = total
     tags = run.data.tags
     name = run.info.run_name or tags.get("mlflow.runName") or run.info.run_id
-    assignments, note = _assignments(client, run, tmp)
+    listed = _artifacts(client, run)
+    assignments, note = _assignments(client, run, tmp, listed)
+    choices, auto_note = _auto_choices(client, run, tmp, listed)
     return RunSummary(run_id=run.info.run_id, name=name, status=run.info.status, group=tags.get(COMBO_TAG) or name,
                       seed=tags.get(SEED_TAG) or run.data.params.get("seed"), final=dict(run.data.metrics),
-                      history=hist, assignments=assignments, assignments_note=note, params=dict(run.data.params))
+                      history=hist, assignments=assignments, assignments_note=note, params=dict(run.data.params),
+                      auto_choices=choices, auto_note=auto_note)
 
 
 # ---------------------------------------------------------------------- the command
@@ -207,6 +252,9 @@ def cmd_report(args) -> int:
     if combinations(runs):
         print("\nPer combination (mean ± std over seeds)\n")
         print(markdown_table(*combination_table(runs)))
+    if any(r.auto_choices for r in runs):
+        print(f"\n{AUTO_HEADING}\n")
+        print(markdown_table(*auto_table(runs)))
     print()
     for fname, fig in report["figures"].items():
         if not isinstance(fig, Path):

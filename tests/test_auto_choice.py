@@ -289,3 +289,39 @@ def test_resume_with_auto_keys_is_bit_identical(tmp_path, algo):
 def test_auto_where_it_cannot_work_is_one_line(algo, words):
     with pytest.raises(ValueError, match=words):
         validate(tiny_config(algorithm=algo))
+
+
+def test_flexcfl_auto_redecides_when_the_detector_fires(tmp_path):
+    # swaps move clients between the groups that exist: the re-decision keeps m and is in the evidence
+    cfg = validate(tiny_config(algorithm={"name": "flexcfl", "k": "auto"}, partition={"num_clients": 32, **SWAP},
+                               shift={"kind": "swap_all", "probability": 0.5, "start_round": 1},
+                               train={"rounds": 3, "clients_per_round": 32, "lr": 0.3, "local_epochs": 2}))
+    prep = prepare(cfg, tmp_path)
+    state = run_rounds(prep)
+    shifted = [r for r in state.meta["auto_choices"] if r["round"] >= 1]
+    assert shifted and all(r["shifted_clients"] > 0 and r["groups_born"] == 0 for r in shifted)
+    assert sum(h["clients_shift_detected"] for h in state.history) == sum(r["shifted_clients"] for r in shifted)
+    assert state.k == state.meta["auto_choices"][0]["k"] == 4
+
+
+def test_flexcfl_redecision_opens_a_group_for_a_distribution_no_group_has(tmp_path):
+    import torch
+
+    prep = prepare(validate(tiny_config(algorithm={"name": "flexcfl", "k": "auto"},
+                                        train={"rounds": 1, "clients_per_round": 6})), tmp_path)
+    state = run_rounds(prep, until=1)
+    alg, m = prep.algorithm, state.k
+    dirs = state.algo["directions"].numpy()
+    rng = np.random.default_rng(0)
+    fresh = rng.normal(size=dirs.shape[1])
+    q, _ = np.linalg.qr(np.concatenate([dirs.T, fresh[:, None]], 1))
+    new_dir = q[:, -1] * np.linalg.norm(dirs[0])  # orthogonal to every group's direction
+    delta = np.concatenate([new_dir + 0.01 * rng.normal(size=(4, dirs.shape[1])) * np.linalg.norm(dirs[0]),
+                            dirs[0] + 0.01 * rng.normal(size=(4, dirs.shape[1])) * np.linalg.norm(dirs[0])])
+    params = {k: v[:1].expand(8, *v.shape[1:]).clone() for k, v in state.models.items()}
+    eq8 = np.zeros(8, np.int64)
+    new, groups = alg.redecide(state, prep.ctx, np.arange(8), eq8, params, delta, 1)
+    assert new.k == m + 1 and (groups[:4] == m).all() and (groups[4:] == 0).all()
+    rec = new.meta["auto_choices"][-1]
+    assert rec["groups_born"] == 1 and rec["round"] == 1
+    assert torch.allclose(new.algo["directions"][-1], torch.from_numpy(delta[:4].mean(0)))

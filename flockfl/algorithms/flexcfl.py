@@ -245,7 +245,16 @@ class FlexCFL(GroupedClients):
         todo = np.concatenate([moving, cold]).astype(np.int64)
         order = np.argsort(todo, kind="stable")
         groups = np.empty(len(todo), np.int64)
-        groups[order] = self.cold_groups(state, ctx, todo[order], round, "flexcfl/cold_start")
+        if is_auto(self.cfg.algorithm.k) and len(moving) and self.cfg.algorithm.cold_assign == "eq8":
+            params, delta = self.pretrain(state, ctx, todo[order], round, "flexcfl/cold_start")  # as cold_groups
+            groups[order] = eq8_assign(delta, state.algo["directions"].numpy())[0]
+            back = np.empty(len(todo), np.int64)
+            back[order] = np.arange(len(todo))
+            state, groups[: len(moving)] = self.redecide(state, ctx, moving, groups[: len(moving)],
+                                                         {k: v[back[: len(moving)]] for k, v in params.items()},
+                                                         delta[back[: len(moving)]], round)
+        else:
+            groups[order] = self.cold_groups(state, ctx, todo[order], round, "flexcfl/cold_start")
         assignments = state.assignments.copy()
         migrated = int((assignments[moving] != groups[: len(moving)]).sum())
         assignments[todo] = groups
@@ -253,6 +262,38 @@ class FlexCFL(GroupedClients):
         state = state.replace(assignments=assignments, algo=algo)
         return with_round_log(state, clients_cold_started=len(cold), clients_shift_detected=len(moving),
                               clients_migrated=migrated)
+
+    def redecide(self, state, ctx, moving: np.ndarray, eq8: np.ndarray, params: dict, delta: np.ndarray, round: int):
+        """k=auto when the shift detector fires: is m still right? The shifted clients' fresh
+        pre-training updates are clustered together with the groups' directions (the same
+        criterion as the cold start, on cosine distances); a cluster of shifted clients that holds
+        no group's direction is a distribution no group has, so it becomes a new group (model: its
+        members' mean pre-trained model; direction: their mean update). The other shifted clients
+        join by Eq. 8 as before. Returns (state, each shifted client's group)."""
+        dirs = state.algo["directions"].numpy()
+        anchors = np.flatnonzero(np.linalg.norm(dirs, axis=1) > 0)
+        rows = np.concatenate([dirs[anchors], delta])
+        rs = int(np_rng(ctx.seed, round, purpose="flexcfl/redecide").integers(2**31 - 1))
+        choice = choose_kmeans(rows, rs, dist=cosine_distance(rows))
+        labels = choice.labels
+        own = labels[len(anchors):]
+        out, born = eq8.copy(), []
+        for c in np.unique(own):
+            if (labels[: len(anchors)] == c).any():
+                continue
+            members = np.flatnonzero(own == c)
+            out[members] = state.k + len(born)
+            born.append(members)
+        if born:
+            like = state.algo["w0"]
+            flat = rows64(params)
+            models = {k: torch.cat([v] + [from_row(flat[m].mean(0), like)[k].unsqueeze(0) for m in born])
+                      for k, v in state.models.items()}
+            dirs = np.concatenate([dirs] + [delta[m].mean(0, keepdims=True) for m in born])
+            state = state.replace(models=models, algo={**state.algo, "directions": torch.from_numpy(dirs)})
+        state = recorded(state, choice, "algorithm.k", self.name, round, shifted_clients=len(moving),
+                         groups_born=len(born), groups=int(state.k))
+        return state, out
 
     # ------------------------------------------------------------------ aggregation
     def aggregate(self, state, ctx, spec, result, assign):

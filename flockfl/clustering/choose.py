@@ -90,9 +90,14 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
     2. Nested groups: while some cluster of the pick has *reasonable* structure of its own
        (``sub_score(members)``, the best mean silhouette among the method's partitions of those
        clients alone, > :data:`NESTED`, Kaufman & Rousseeuw's "reasonable structure"), move to the
-       next finer candidate. Rotated digits under PACFL are the case: 0°/180° against 90°/270° is
-       the coarsest level and has the best mean silhouette, yet each half splits again at 0.58;
-       the finer cut's clusters are homogeneous (0.15). A refinement asks for more evidence than
+       next finer candidate, as long as that candidate is itself a reasonable partition (mean
+       silhouette > 0.5): a method with one threshold cuts every cluster at the same height, and
+       walking down to one noisy cluster's inner split would shred all the others (FLIS-HC on
+       disjoint label groups, seed 1: one group's pair at 0.51 would take the cut from k = 3 to
+       k = 21). Rotated digits under PACFL are the case for it: 0°/180° against 90°/270° is the
+       coarsest level and has the best mean silhouette (0.74), yet each half splits again at
+       0.58; the finer cuts stay reasonable (0.66, 0.56) and the 4-group cut's clusters are
+       homogeneous (0.15). A refinement asks for more evidence than
        the first split (0.5 against 0.25) because a group found at a coarser level is already
        explained, and a noisy measure (FLIS's inference similarity inside one group of digits
        clients scores 0.38) must not shred it.
@@ -135,21 +140,26 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
         one.score, one.margin = top, FLOOR - top
         one.reason = f"best mean silhouette {top:.3f} (k={curve[best]['k']}) ≤ {FLOOR}: no substantial structure"
         return one
-    pick, steps = best, []
+    pick, steps, kept = best, [], False
     while True:
         w = worst(rows[pick][1])
         curve[pick]["worst_cluster"] = _num(w)
         if not w > NESTED or pick + 1 >= len(rows):
             break
+        if not scores[pick + 1] > NESTED:  # the finer cut would not be a reasonable partition as a whole
+            steps.append(f"k={rows[pick][0]} leaves a cluster at {w:.3f} > {NESTED}, but the next cut (k="
+                         f"{rows[pick + 1][0]}) has a mean silhouette of {scores[pick + 1]:.3f} ≤ {NESTED}: kept")
+            kept = True
+            break
         steps.append(f"k={rows[pick][0]} leaves a cluster at {w:.3f} > {NESTED}")
         pick += 1
     k, labels, value = rows[pick]
     w = curve[pick]["worst_cluster"]
-    margin = min(top - runner, top - FLOOR) if pick == best else min(NESTED - (w if w is not None else -1.0),
-                                                                     curve[pick - 1]["worst_cluster"] - NESTED)
+    margin = (min(top - runner, top - FLOOR) if pick == best else
+              min(NESTED - (w if w is not None else -1.0), curve[pick - 1]["worst_cluster"] - NESTED, scores[pick] - NESTED))
     reason = f"best mean silhouette {top:.3f} at k={rows[best][0]} (runner-up {runner:.3f}, floor {FLOOR})"
     if steps:
-        reason += "; nested groups: " + ", ".join(steps) + f"; at k={k} every cluster is ≤ {NESTED}"
+        reason += "; nested groups: " + ", ".join(steps) + ("" if kept else f"; at k={k} every cluster is ≤ {NESTED}")
     return Choice(k, labels, value, float(scores[pick]), float(margin), curve, reason)
 
 
