@@ -91,10 +91,11 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
        (``sub_score(members)``, the best mean silhouette among the method's partitions of those
        clients alone, > :data:`NESTED`, Kaufman & Rousseeuw's "reasonable structure"), move to the
        next finer candidate, as long as that candidate is itself a reasonable partition (mean
-       silhouette > 0.5): a method with one threshold cuts every cluster at the same height, and
-       walking down to one noisy cluster's inner split would shred all the others (FLIS-HC on
-       disjoint label groups, seed 1: one group's pair at 0.51 would take the cut from k = 3 to
-       k = 21). Rotated digits under PACFL are the case for it: 0°/180° against 90°/270° is the
+       silhouette > 0.5), and keep the finer cut only if the walk ends at one whose every cluster
+       is ≤ 0.5: a method with one threshold cuts every cluster at the same height, and walking
+       down to one noisy cluster's inner split would shred all the others (FLIS-HC on disjoint
+       label groups, seed 1: one group's pair at 0.51 would take the cut from k = 3 to k = 21;
+       FLIS-DC, round 2 of seed 0: to k = 7 with that cluster still whole). Rotated digits under PACFL are the case for it: 0°/180° against 90°/270° is the
        coarsest level and has the best mean silhouette (0.74), yet each half splits again at
        0.58; the finer cuts stay reasonable (0.66, 0.56) and the 4-group cut's clusters are
        homogeneous (0.15). A refinement asks for more evidence than
@@ -153,6 +154,11 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
             break
         steps.append(f"k={rows[pick][0]} leaves a cluster at {w:.3f} > {NESTED}")
         pick += 1
+    if pick != best and (kept or (curve[pick]["worst_cluster"] or -1.0) > NESTED):
+        # the walk ended without a cut whose every cluster is homogeneous: it only shredded the
+        # other clusters (one threshold cuts them all), so the best-scoring cut stands
+        steps.append(f"no reasonable finer cut resolves it: k={rows[best][0]} kept")
+        pick, kept = best, True
     k, labels, value = rows[pick]
     w = curve[pick]["worst_cluster"]
     margin = (min(top - runner, top - FLOOR) if pick == best else
