@@ -145,7 +145,10 @@ def test_flis_dc_decides_every_round_and_logs_it(tmp_path):
     state = run_rounds(prepare(cfg, tmp_path))
     recs = state.meta["auto_choices"]
     assert [r["round"] for r in recs] == [0, 1]
-    assert all(r["k"] == 3 for r in recs)
+    assert all(r["chosen_k"] == 3 for r in recs)
+    # a round's choice counts once the round before found the same partition: round 0 runs with β = 0
+    assert recs[0]["k"] == 1 and recs[0]["value"] == 0.0 and "not yet confirmed" in recs[0]["reason"]
+    assert recs[1]["k"] == 3 and 0 < recs[1]["value"] < 1
     assert state.history[-1]["auto_k"] == 3 and state.history[-1]["auto_margin"] > 0
     assert float(state.algo["beta_used"]) == pytest.approx(recs[-1]["value"])
 

@@ -30,6 +30,10 @@ CONFIGS = {
     "apfl": {"algorithm": {"name": "apfl"}},
     "pfedme": {"algorithm": {"name": "pfedme"}},
     "perfedavg": {"algorithm": {"name": "perfedavg", "variant": "hf"}},
+    # algorithm.*=auto: a choice every round (FedAC) and one before round 0 (PACFL) are made on the
+    # flow from the workers' results, so they are the local run's, evidence included
+    "fedac_auto": {"algorithm": {"name": "fedac", "k": "auto"}},
+    "pacfl_auto": {"algorithm": {"name": "pacfl", "beta": "auto"}},
 }
 
 
@@ -183,6 +187,7 @@ def test_dask_state_equals_local(cluster, runs, name):
     assert remote["clients_dropped"] == local["clients_dropped"]
     assert remote["metrics"] == local["metrics"]
     assert remote["executor"] == "dask" and local["executor"] == "local"
+    assert remote.get("auto") == local.get("auto") and (("auto" in local) == name.endswith("_auto"))
     # every round sent three shards' rows, never the data: far below the pickled training set;
     # pFedMe (train_all_clients) also sends its companions, the 6 unsampled of the 12 clients
     data = _training_bytes(config(name), runs.root)

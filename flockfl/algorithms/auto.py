@@ -45,3 +45,29 @@ def summary(meta: dict) -> dict:
 def metrics(rec: dict) -> dict[str, float]:
     """A decision as MLflow metrics (``auto_k``, ``auto_value``, ``auto_score``, ``auto_margin``)."""
     return {f"auto_{k}": float(rec[k]) for k in ("k", "value", "score", "margin") if rec.get(k) is not None}
+
+
+def confirmed(choice: Choice, clients, last: dict | None, round: int) -> bool:
+    """A decision made each round on fresh, noisy evidence (CFL's split test, FLIS-DC's β) counts
+    only when the round before found the same partition of the clients both rounds saw (ARI 1,
+    at least two groups among them): a true structure shows every round, a chance one does not.
+    ``last`` is the previous round's :func:`memory`."""
+    import numpy as np
+
+    from flockfl.clustering import ari
+
+    if choice.k < 2 or not last or last["round"] != round - 1:
+        return False
+    before = dict(zip(last["clients"], last["labels"]))
+    common = [i for i, c in enumerate(np.asarray(clients).tolist()) if c in before]
+    if len(common) < 3:
+        return False
+    prev = np.array([before[int(clients[i])] for i in common])
+    return len(np.unique(prev)) > 1 and ari(prev, choice.labels[common]) == 1.0
+
+
+def memory(choice: Choice, clients, round: int) -> dict:
+    """What :func:`confirmed` needs of this round's decision next round (JSON-able, kept in meta)."""
+    import numpy as np
+
+    return {"round": int(round), "clients": np.asarray(clients).tolist(), "labels": choice.labels.tolist()}

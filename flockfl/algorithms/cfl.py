@@ -65,7 +65,7 @@ import torch
 
 from flockfl.aggregation import flatten, mean_weights, unflatten, weighted_mean
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.auto import recorded
+from flockfl.algorithms.auto import confirmed, memory, recorded
 from flockfl.algorithms.hyper import choice, integer, is_auto, real, sourced_each, weighting
 from flockfl.clustering.choose import choose_cut
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
@@ -183,7 +183,7 @@ class CFL(Algorithm):
                 choice, stable = auto_split_test(sim, a.linkage, pool[members], last.get(str(c)), state.round,
                                                  found.get(str(c)) == 1)
                 decisions.append((choice, c, len(members), stable))
-                now[str(c)] = {"round": int(state.round), "clients": pool[members].tolist(), "labels": choice.labels.tolist()}
+                now[str(c)] = memory(choice, pool[members], state.round)
                 if choice.k < 2 or not stable:
                     continue
             labels = bipartition(sim, a.linkage)
@@ -259,21 +259,13 @@ def auto_split_test(sim: np.ndarray, linkage: str, clients: np.ndarray, last: di
     reasonable structure, a mean silhouette above 0.5 (inside one label-swapped group of eight
     digits clients, two clients with their own quirks score 0.25–0.27 round after round).
     Returns (the choice, whether it is confirmed)."""
-    from flockfl.clustering import ari
     from flockfl.clustering.choose import NESTED
 
     choice = choose_cut(1.0 - sim, linkage)
     if one_group and choice.k > 1 and not choice.score > NESTED:
         choice.reason += f"; this cluster is one group already found: a split needs > {NESTED}"
         return choice, False
-    if choice.k < 2 or not last or last["round"] != round - 1:
-        return choice, False
-    before = dict(zip(last["clients"], last["labels"]))
-    common = [i for i, c in enumerate(clients.tolist()) if c in before]
-    if len(common) < 3:
-        return choice, False
-    prev = np.array([before[int(clients[i])] for i in common])
-    return choice, len(np.unique(prev)) > 1 and ari(prev, choice.labels[common]) == 1.0
+    return choice, confirmed(choice, clients, last, round)
 
 
 # where cfl-pacfl's defaults come from: the thesis's text, or its code (MMorafah/PACFL, which copies felisat's

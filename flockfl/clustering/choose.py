@@ -43,6 +43,7 @@ class Choice:
     margin: float
     curve: list[dict] = field(default_factory=list)
     reason: str = ""
+    chosen: Optional["Choice"] = None  # where a method overrides the criterion (FLIS-DC, unconfirmed): its own choice
 
     def record(self, key: str, algorithm: str, round: int, **extra) -> dict:
         """A JSON-able record of the decision (what ``flock run --json``, MLflow and ``flock
