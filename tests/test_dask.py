@@ -191,10 +191,13 @@ def test_dask_state_equals_local(cluster, runs, name):
     # every round sent three shards' rows, never the data: far below the pickled training set;
     # pFedMe (train_all_clients) also sends its companions, the 6 unsampled of the 12 clients
     data = _training_bytes(config(name), runs.root)
+    # FedAC sends each client two whole models (its own ω_i and the anchor of its pull): ~40 KB a
+    # shard of two clients here, a tenth of the pickled training set; the others under a twelfth
+    share = 8 if name == "fedac_auto" else 12
     for row in history:
         shards = row["executor_shards"]
         assert shards == (6 if name == "pfedme" else 3)
-        assert 0 < row["executor_bytes_to_workers"] / shards < data / 12, (row["executor_bytes_to_workers"], data)
+        assert 0 < row["executor_bytes_to_workers"] / shards < data / share, (row["executor_bytes_to_workers"], data)
         assert 0 < row["executor_bytes_from_workers"] / shards < data / 12
     assert remote["executor_bytes_to_workers_median"] > 0
     if name == "scaffold":  # the simulated failures: isolated in the flow, as locally
