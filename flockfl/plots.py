@@ -190,6 +190,29 @@ def matrix_heatmap(matrix: np.ndarray, groups: np.ndarray, title: str, path: Pat
     return path
 
 
+def auto_curve(ax, rec: dict) -> list[int]:
+    """One ``auto`` decision's evidence on ``ax``: the criterion's curve (mean silhouette per
+    candidate k), the worst cluster's own best split where the nested test looked, the
+    one-cluster floor, the nested threshold and the chosen k (a star on the curve where it is a
+    candidate). Returns the candidates' k."""
+    curve = rec.get("curve") or []
+    ks = [c["k"] for c in curve]
+    scores = [np.nan if c.get("score") is None else c["score"] for c in curve]
+    ax.plot(ks, scores, "o-", ms=4, color="tab:blue", label=f"mean {rec.get('criterion', 'silhouette')}")
+    tested = [(c["k"], c["worst_cluster"]) for c in curve if c.get("worst_cluster") is not None]
+    if tested:
+        ax.plot(*zip(*tested), "s", color="tab:orange", label="worst cluster's own best split")
+    ax.axhline(rec["floor"], color="grey", ls="--", lw=1, label=f"no structure ≤ {rec['floor']}")
+    if rec.get("nested") is not None:
+        ax.axhline(rec["nested"], color="grey", ls=":", lw=1, label=f"split a group again > {rec['nested']}")
+    ax.axvline(rec["k"], color="tab:green", lw=1.5, label=f"chosen k = {rec['k']}")
+    chosen = scores[ks.index(rec["k"])] if rec["k"] in ks else np.nan  # one cluster: not a candidate
+    if np.isfinite(chosen):
+        ax.plot([rec["k"]], [chosen], "*", ms=13, color="tab:green")
+    ax.set_xlabel("clusters k")
+    return ks
+
+
 def auto_choice(records: list[dict], path: Path) -> Path:
     """The evidence of ``auto`` decisions (``state.meta['auto_choices']``): for the latest
     decision of each key, the criterion's curve over the candidates (mean silhouette per k, the
@@ -202,20 +225,11 @@ def auto_choice(records: list[dict], path: Path) -> Path:
     panels = len(latest) + (1 if len(rounds) > 1 else 0)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4.0), squeeze=False)
     for ax, (key, r) in zip(axes[0], latest.items()):
-        ks = [c["k"] for c in r["curve"]]
-        ax.plot(ks, [np.nan if c["score"] is None else c["score"] for c in r["curve"]], "o-", label="mean silhouette")
-        tested = [(c["k"], c["worst_cluster"]) for c in r["curve"] if c.get("worst_cluster") is not None]
-        if tested:
-            ax.plot(*zip(*tested), "s", color="tab:orange", label="worst cluster's own best split")
-        ax.axhline(r["floor"], color="grey", ls="--", lw=1, label=f"no structure ≤ {r['floor']}")
-        if r.get("nested") is not None:
-            ax.axhline(r["nested"], color="grey", ls=":", lw=1, label=f"split a group again > {r['nested']}")
-        ax.axvline(r["k"], color="tab:green", lw=1.5, label=f"chosen k = {r['k']}")
+        auto_curve(ax, r)
         where = "before round 0" if r["round"] < 0 else f"round {r['round']}"
         value = "" if r["value"] is None else f", {key.split('.')[-1]} = {r['value']:.4g}"
-        ax.set_title(f"{r['algorithm']} {key}=auto, {where}{value}\nmargin {r['margin'] if r['margin'] is not None else float('nan'):.3f}",
-                     fontsize=9)
-        ax.set_xlabel("clusters k")
+        margin = "n/a" if r["margin"] is None else f"{r['margin']:.3f}"
+        ax.set_title(f"{r['algorithm']} {key}=auto, {where}{value}\nmargin {margin}", fontsize=9)
         ax.set_ylabel("silhouette")
         ax.legend(fontsize=7)
     if len(rounds) > 1:

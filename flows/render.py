@@ -252,31 +252,17 @@ def auto_curves(panels: list[tuple[str, dict, int]], path: Path, ncols: int = 3)
     silhouette scale, so how clear each run's choice was compares at a glance."""
     import textwrap
 
-    import numpy as np
     from matplotlib.ticker import MaxNLocator
 
-    from flockfl.plots import plt
+    from flockfl.plots import auto_curve, plt
 
     ncols = max(1, min(ncols, len(panels)))
     nrows = max(1, -(-len(panels) // ncols))
     fig, axes = plt.subplots(nrows, ncols, figsize=(5.0 * ncols, 4.0 * nrows), squeeze=False, sharey=True,
                              layout="constrained")
     for i, (ax, (title, rec, n)) in enumerate(zip(axes.flat, panels)):
-        curve = rec.get("curve") or []
-        ks = [c["k"] for c in curve]
-        scores = [np.nan if c.get("score") is None else c["score"] for c in curve]
-        ax.plot(ks, scores, "o-", ms=4, color="tab:blue", label=f"mean {rec.get('criterion', 'silhouette')}")
-        tested = [(c["k"], c["worst_cluster"]) for c in curve if c.get("worst_cluster") is not None]
-        if tested:
-            ax.plot(*zip(*tested), "s", color="tab:orange", label="worst cluster's own best split")
-        ax.axhline(rec["floor"], color="grey", ls="--", lw=1, label=f"no structure ≤ {rec['floor']}")
-        if rec.get("nested") is not None:
-            ax.axhline(rec["nested"], color="grey", ls=":", lw=1, label=f"split a group again > {rec['nested']}")
-        ax.axvline(rec["k"], color="tab:green", lw=1.5, label=f"chosen k = {rec['k']}")
-        chosen = scores[ks.index(rec["k"])] if rec["k"] in ks else np.nan  # one cluster: not a candidate
-        if np.isfinite(chosen):
-            ax.plot([rec["k"]], [chosen], "*", ms=13, color="tab:green")
-        if not curve:
+        ks = auto_curve(ax, rec)
+        if not ks:
             ax.text(0.5, 0.5, textwrap.fill(f"no candidates: {rec.get('reason', '')}", 40), transform=ax.transAxes,
                     ha="center", va="center", fontsize=8)
         ax.set_xlim(left=0.5, right=max([rec["k"], *ks]) + 0.5)
@@ -285,7 +271,6 @@ def auto_curves(panels: list[tuple[str, dict, int]], path: Path, ncols: int = 3)
         latest = "" if n == 1 else f" (latest of {n})"
         ax.set_title(f"{textwrap.fill(title, 52)}\n{rec.get('algorithm', '')} {rec['key']}=auto, {_decided(rec)}"
                      f"{latest}: k = {rec['k']}, margin {margin}", fontsize=8)
-        ax.set_xlabel("clusters k")
         if i % ncols == 0:
             ax.set_ylabel(rec.get("criterion", "silhouette"))
         ax.grid(alpha=0.3)

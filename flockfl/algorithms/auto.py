@@ -13,6 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
+from flockfl.clustering import ari
 from flockfl.clustering.choose import Choice
 from flockfl.state import ServerState, log_round
 
@@ -52,10 +55,6 @@ def confirmed(choice: Choice, clients, last: dict | None, round: int) -> bool:
     only when the round before found the same partition of the clients both rounds saw (ARI 1,
     at least two groups among them): a true structure shows every round, a chance one does not.
     ``last`` is the previous round's :func:`memory`."""
-    import numpy as np
-
-    from flockfl.clustering import ari
-
     if choice.k < 2 or not last or last["round"] != round - 1:
         return False
     before = dict(zip(last["clients"], last["labels"]))
@@ -68,6 +67,4 @@ def confirmed(choice: Choice, clients, last: dict | None, round: int) -> bool:
 
 def memory(choice: Choice, clients, round: int) -> dict:
     """What :func:`confirmed` needs of this round's decision next round (JSON-able, kept in meta)."""
-    import numpy as np
-
     return {"round": int(round), "clients": np.asarray(clients).tolist(), "labels": choice.labels.tolist()}

@@ -86,8 +86,8 @@ class CFL(Algorithm):
                 meaning="weights of the updates in a cluster's mean (its FedAvg and the ε₁ test): uniform (the code) "
                         "or samples n_i (the paper)"),
         real("eps1", 0.4, "stationarity: a cluster may split only while the norm of its mean update is below ε₁ "
-             "(the code and the PACFL thesis); auto (with eps2=auto): the split decision is the silhouette test of the "
-             "bipartition on 1 − α instead of the two norms ('CFL + auto split' in tables)", "ε₁", gt=0, auto=True,
+             "(the code and the PACFL thesis); auto (with eps2=auto): instead of the two norms, a cluster splits when the "
+             "silhouette criterion on 1 − α finds the same structure two rounds running ('CFL + auto split' in tables)", "ε₁", gt=0, auto=True,
              source="code",
              note="felisat/clustered-federated-learning: EPS_1 = 0.4 (the paper's value: not found)"),
         real("eps2", 1.6, "divergence: ... and its largest client update norm exceeds ε₂ (the code and the PACFL "

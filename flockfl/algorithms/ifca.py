@@ -206,10 +206,9 @@ class IFCA(Algorithm):
         """The clients that pre-train: ``pretrain_clients`` (default max(cohort, 20·k), at
         most every federating client) drawn from the (seed, "pretrain_clients") stream."""
         a, seen = self.cfg.algorithm, ctx.seen
-        if is_auto(a.k):  # k unknown: every federating client's evidence (or the given number)
-            want = a.pretrain_clients if a.pretrain_clients is not None else len(seen)
-        else:
-            want = a.pretrain_clients if a.pretrain_clients is not None else max(self.cfg.train.clients_per_round, 20 * a.k)
+        # k=auto: k unknown, so every federating client's evidence (or the given number)
+        default = len(seen) if is_auto(a.k) else max(self.cfg.train.clients_per_round, 20 * a.k)
+        want = a.pretrain_clients if a.pretrain_clients is not None else default
         count = min(want, len(seen))
         if not is_auto(a.k) and count < a.k:
             raise ConfigError(f"algorithm.pretrain_clients: only {count} clients can pre-train, fewer than k={a.k}")

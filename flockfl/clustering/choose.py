@@ -25,6 +25,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from flockfl.clustering.groups import cosine_matrix
+
 CRITERION = "silhouette"
 FLOOR = 0.25  # Kaufman & Rousseeuw (1990): mean silhouette ≤ 0.25, "no substantial structure"
 NESTED = 0.5  # ... and > 0.5, "a reasonable structure": what a group already found must show to be split again
@@ -83,11 +85,11 @@ def silhouette(dist: np.ndarray, labels: np.ndarray) -> float:
 
 
 def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]],
-           sub_score: Callable[[np.ndarray], float], one_value: Optional[float] = None) -> Choice:
+           sub_score: Callable[[np.ndarray], float]) -> Choice:
     """Pick among ``candidates`` ((labels, the method's value that makes them), any order).
 
     1. The candidate with the best mean silhouette on ``dist`` (ties: fewer clusters); if that
-       is ≤ :data:`FLOOR`, one cluster (``one_value``): no substantial structure.
+       is ≤ :data:`FLOOR`, one cluster (value None): no substantial structure.
     2. Nested groups: while some cluster of the pick has *reasonable* structure of its own
        (``sub_score(members)``, the best mean silhouette among the method's partitions of those
        clients alone, > :data:`NESTED`, Kaufman & Rousseeuw's "reasonable structure"), move to the
@@ -96,13 +98,13 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
        is ≤ 0.5: a method with one threshold cuts every cluster at the same height, and walking
        down to one noisy cluster's inner split would shred all the others (FLIS-HC on disjoint
        label groups, seed 1: one group's pair at 0.51 would take the cut from k = 3 to k = 21;
-       FLIS-DC, round 2 of seed 0: to k = 7 with that cluster still whole). Rotated digits under PACFL are the case for it: 0°/180° against 90°/270° is the
-       coarsest level and has the best mean silhouette (0.74), yet each half splits again at
-       0.58; the finer cuts stay reasonable (0.66, 0.56) and the 4-group cut's clusters are
-       homogeneous (0.15). A refinement asks for more evidence than
-       the first split (0.5 against 0.25) because a group found at a coarser level is already
-       explained, and a noisy measure (FLIS's inference similarity inside one group of digits
-       clients scores 0.38) must not shred it.
+       FLIS-DC, round 2 of seed 0: to k = 7 with that cluster still whole). Rotated digits under
+       PACFL are the case for it: 0°/180° against 90°/270° is the coarsest level and has the best
+       mean silhouette (0.74), yet each half splits again at 0.58; the finer cuts stay reasonable
+       (0.66, 0.56) and the 4-group cut's clusters are homogeneous (0.15). A refinement asks for
+       more evidence than the first split (0.5 against 0.25) because a group found at a coarser
+       level is already explained, and a noisy measure (FLIS's inference similarity inside one
+       group of digits clients scores 0.38) must not shred it.
     """
     from flockfl.clustering.hierarchy import renumber
 
@@ -130,7 +132,7 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
     rows.sort(key=lambda r: r[0])
     curve = [{"k": k, "value": None if v is None else float(v), "score": silhouette(d, lab), "worst_cluster": None}
              for k, lab, v in rows]
-    one = Choice(1, np.zeros(n, np.int64), one_value, float("nan"), float("nan"), curve)
+    one = Choice(1, np.zeros(n, np.int64), None, float("nan"), float("nan"), curve)
     if not rows:
         one.reason = f"{n} clients: too few to compare partitions (a silhouette needs 2 ≤ k ≤ n − 1)"
         return one
@@ -170,8 +172,8 @@ def choose(dist: np.ndarray, candidates: list[tuple[np.ndarray, Optional[float]]
     return Choice(k, labels, value, float(scores[pick]), float(margin), curve, reason)
 
 
-def cut_candidates(d: np.ndarray, linkage: str, max_k: Optional[int] = None) -> list[tuple[np.ndarray, float]]:
-    """(labels, threshold) for every k = 2..max_k that a threshold can cut the dendrogram into:
+def cut_candidates(d: np.ndarray, linkage: str) -> list[tuple[np.ndarray, float]]:
+    """(labels, threshold) for every k = 2..n that a threshold can cut the dendrogram into:
     midway between the (n−k)-th and (n−k+1)-th merge heights (a k skipped by tied heights is not
     offered)."""
     from scipy.cluster.hierarchy import fcluster
@@ -183,9 +185,8 @@ def cut_candidates(d: np.ndarray, linkage: str, max_k: Optional[int] = None) -> 
         return []
     z = scipy_linkage(squareform(d, checks=False), method=linkage)
     h = z[:, 2]  # non-decreasing for the monotone linkages flockfl uses
-    top = n if max_k is None else min(int(max_k), n)
     out = []
-    for k in range(2, top + 1):
+    for k in range(2, n + 1):
         lo = h[n - k - 1] if n - k - 1 >= 0 else 0.0
         hi = h[n - k]
         if not hi > lo:
@@ -202,8 +203,7 @@ def best_split_score(d: np.ndarray, candidates: list[tuple[np.ndarray, Optional[
     return max(scores) if scores else -np.inf
 
 
-def choose_cut(dist: np.ndarray, linkage: str, max_k: Optional[int] = None,
-               score_on: Optional[np.ndarray] = None) -> Choice:
+def choose_cut(dist: np.ndarray, linkage: str, score_on: Optional[np.ndarray] = None) -> Choice:
     """:func:`choose` over the cuts of the agglomerative dendrogram of ``dist`` (the method's own
     ``linkage``); ``value`` is the cut's threshold in the units of ``dist`` (None for one
     cluster: a cut above the highest merge). A cluster's sub-partitions are the cuts of its own
@@ -217,39 +217,34 @@ def choose_cut(dist: np.ndarray, linkage: str, max_k: Optional[int] = None,
         idx = np.ix_(members, members)
         return best_split_score(s[idx], cut_candidates(d[idx], linkage))
 
-    return choose(s, cut_candidates(d, linkage, max_k), sub)
+    return choose(s, cut_candidates(d, linkage), sub)
 
 
-def choose_kmeans(x: np.ndarray, seed: int, max_k: Optional[int] = None, dist: Optional[np.ndarray] = None,
+def choose_kmeans(x: np.ndarray, seed: int, dist: Optional[np.ndarray] = None,
                   partition: Optional[Callable[[np.ndarray, int], np.ndarray]] = None) -> Choice:
-    """:func:`choose` over k-means of the rows of ``x`` at each k = 2..max_k (default
-    min(n, 20)), scored on ``dist`` (default: Euclidean distances of the rows, k-means' own
-    geometry). ``partition(rows, k)`` replaces scikit-learn's ``KMeans(k, n_init=10,
-    random_state=seed)`` where a method has its own (FlexCFL's EDC + k-means)."""
+    """:func:`choose` over k-means of the rows of ``x`` at each k = 2..min(n − 1, 20), scored on
+    ``dist`` (default: Euclidean distances of the rows, k-means' own geometry). ``partition(rows,
+    k)`` replaces scikit-learn's ``KMeans(k, n_init=10, random_state=seed)`` where a method has
+    its own (FlexCFL's EDC + k-means). A cluster's sub-partitions are the same k-means of its rows."""
+    from scipy.spatial.distance import pdist, squareform
+
     from flockfl.clustering.hierarchy import kmeans_labels
 
     x = np.asarray(x, np.float64).reshape(len(x), -1)
-    n = len(x)
-    if dist is None:
-        sq = (x * x).sum(1)
-        dist = np.sqrt(np.clip(sq[:, None] + sq[None, :] - 2 * x @ x.T, 0.0, None))
-    d = as_distance(dist)
+    d = as_distance(squareform(pdist(x)) if dist is None else dist)
     make = partition or (lambda rows, k: kmeans_labels(x[rows], k, seed))
-    top = min(n, 20 if max_k is None else int(max_k))
 
-    def cands(rows: np.ndarray, kmax: int) -> list:
-        return [(make(rows, k), None) for k in range(2, min(kmax, len(rows) - 1) + 1)]
+    def cands(rows: np.ndarray) -> list:
+        return [(make(rows, k), None) for k in range(2, min(20, len(rows) - 1) + 1)]
 
     def sub(members: np.ndarray) -> float:
-        return best_split_score(d[np.ix_(members, members)], cands(members, 20))
+        return best_split_score(d[np.ix_(members, members)], cands(members))
 
-    everyone = np.arange(n)
-    return choose(d, [(make(everyone, k), None) for k in range(2, min(top, n - 1) + 1)], sub)
+    return choose(d, cands(np.arange(len(x))), sub)
 
 
 def cosine_distance(x: np.ndarray) -> np.ndarray:
-    """1 − cos between the rows of ``x`` (a zero row is at distance 1 from everything)."""
+    """1 − cos between the rows of ``x`` (:func:`~flockfl.clustering.groups.cosine_matrix`: a
+    zero row is at distance 1 from everything)."""
     x = np.asarray(x, np.float64).reshape(len(x), -1)
-    norms = np.linalg.norm(x, axis=1)
-    u = x / np.where(norms > 0, norms, 1.0)[:, None]
-    return 1.0 - np.clip(u @ u.T, -1.0, 1.0)
+    return 1.0 - cosine_matrix(x, x)
