@@ -57,11 +57,7 @@ class ServerState:
     def digest(self) -> str:
         """SHA-256 of the model tensors, algorithm tensors and assignments (bit-exact identity)."""
         h = hashlib.sha256()
-        for name in sorted(self.models):
-            t = self.models[name].detach().cpu().contiguous()
-            h.update(name.encode())
-            h.update(str(tuple(t.shape)).encode())
-            h.update(t.numpy().tobytes())
+        _hash_named(h, self.models)
         for name, t in _tensors(self.algo):
             h.update(name.encode())
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
@@ -227,3 +223,18 @@ def on_device(state: ServerState, device: torch.device, keys: tuple[str, ...] = 
         return state  # a CPU run: checkpoints restore it as it was
     algo = {k: place(v, k in keys) for k, v in state.algo.items()}
     return state.replace(models={k: v.to(device) for k, v in state.models.items()}, algo=algo)
+
+
+def _hash_named(h, tensors: dict[str, torch.Tensor]) -> None:
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(name.encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.numpy().tobytes())
+
+
+def params_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of named tensors (names, shapes, bytes): the same bits give the same digest."""
+    h = hashlib.sha256()
+    _hash_named(h, tensors)
+    return h.hexdigest()

@@ -9,6 +9,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from conftest import assert_resume_bit_identical, last_json, run_flock, tiny_config
 
 from flockfl.clustering import ari
@@ -151,6 +152,26 @@ def test_flis_dc_decides_every_round_and_logs_it(tmp_path):
     assert recs[1]["k"] == 3 and 0 < recs[1]["value"] < 1
     assert state.history[-1]["auto_k"] == 3 and state.history[-1]["auto_margin"] > 0
     assert float(state.algo["beta_used"]) == pytest.approx(recs[-1]["value"])
+
+
+def test_flis_dc_runs_the_clients_models_on_its_data_once_a_round(tmp_path, monkeypatch):
+    """cluster and aggregate need the same overlapping clusters: the server's inference pass runs
+    once a round (it is FLIS-DC's largest server cost), and a changed model is never served from
+    the first answer."""
+    from flockfl.algorithms.flis import FLISDC
+
+    calls = []
+    original = FLISDC.inferences
+    monkeypatch.setattr(FLISDC, "inferences", lambda self, ctx, params: calls.append(1) or original(self, ctx, params))
+    prep = prepare(cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300}, rounds=3), tmp_path)
+    state = run_rounds(prep)
+    assert len(calls) == 3 and len(state.meta["auto_choices"]) == 3
+    algo, result = prep.algorithm, type("R", (), {})()
+    result.clients, result.params = np.arange(4), {k: v[:1].repeat(4, *[1] * (v.dim() - 1)) for k, v in state.models.items()}
+    first = algo.overlapping_clusters(state, prep.ctx, result)
+    result.params = {k: v + 0.01 * torch.randn_like(v) for k, v in result.params.items()}
+    algo.overlapping_clusters(state, prep.ctx, result)
+    assert len(calls) == 5 and len(first[0]) == 1  # identical models: one cluster; changed ones: computed again
 
 
 @pytest.mark.parametrize("algo", [{"name": "pacfl", "beta": "auto"},

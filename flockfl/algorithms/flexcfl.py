@@ -235,8 +235,12 @@ class FlexCFL(GroupedClients):
             return np.zeros(0, np.int64)
         if self.cfg.algorithm.cold_assign == "random":
             return np.array([np_rng(ctx.seed, round, int(c), "flexcfl/rac").integers(state.k) for c in clients], np.int64)
-        _, delta = self.pretrain(state, ctx, clients, round, stream)
-        return eq8_assign(delta, state.algo["directions"].numpy())[0]
+        return self.pretrained_groups(state, ctx, clients, round, stream)[0]
+
+    def pretrained_groups(self, state, ctx, clients: np.ndarray, round: int, stream: str):
+        """Eq. 8 after pre-training from w_0: (each client's group, the pre-trained models, the updates)."""
+        params, delta = self.pretrain(state, ctx, clients, round, stream)
+        return eq8_assign(delta, state.algo["directions"].numpy())[0], params, delta
 
     def before_training(self, state, ctx, clients, round):
         """Migration over every warm client (§2.4), then the cold start of the selected cold ones."""
@@ -246,8 +250,7 @@ class FlexCFL(GroupedClients):
         order = np.argsort(todo, kind="stable")
         groups = np.empty(len(todo), np.int64)
         if is_auto(self.cfg.algorithm.k) and len(moving) and self.cfg.algorithm.cold_assign == "eq8":
-            params, delta = self.pretrain(state, ctx, todo[order], round, "flexcfl/cold_start")  # as cold_groups
-            groups[order] = eq8_assign(delta, state.algo["directions"].numpy())[0]
+            groups[order], params, delta = self.pretrained_groups(state, ctx, todo[order], round, "flexcfl/cold_start")
             back = np.empty(len(todo), np.int64)
             back[order] = np.arange(len(todo))
             state, groups[: len(moving)] = self.redecide(state, ctx, moving, groups[: len(moving)],
