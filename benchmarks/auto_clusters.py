@@ -22,6 +22,10 @@ The budget is the same for every method and seed and is printed; it runs through
 
   python benchmarks/auto_clusters.py                      # 5 seeds, every method and partition
   python benchmarks/auto_clusters.py --seeds 1 --methods pacfl flis_hc --partitions rotated4
+  python benchmarks/auto_clusters.py --methods cfl --rounds cfl=40   # CFL given 40 rounds instead of 26
+
+FLIS-DC re-clusters every round, so instead of a best threshold on one matrix its cells give the best
+final ARI of the same budget run at each fixed β of a grid (0.1 … 0.9; ``--no-beta-grid`` skips it).
 """
 
 from __future__ import annotations
@@ -76,22 +80,48 @@ def best_any_threshold(state, prep, method: str) -> float:
     return max(ari(truth, hierarchical_clusters(d, n_clusters=k, linkage=linkage)) for k in range(1, len(d) + 1))
 
 
-def one(method: str, partition: str, seed: int, params: str, parts: str) -> dict:
-    from flockfl.clustering import ari
+# FLIS-DC re-clusters every round, so no single matrix holds "the best any β": the same budget is
+# run at each fixed β of this grid instead, and the best final ARI among them is reported
+FLIS_DC_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def trained(method: str, partition: str, seed: int, params: str, parts: str, rounds: int | None = None,
+            extra: tuple[str, ...] = ()):
     from flockfl.experiments import load_experiment
     from flockfl.rounds import prepare, run_rounds
 
-    over, rounds, epochs = METHODS[method]
-    cfg = load_experiment("configs/thesis_base.yaml", PARTITIONS[partition] + over + [
-        f"seed={seed}", f"train.rounds={rounds}", f"train.local_epochs={epochs}", "tracking.enabled=false"], params)
-    t0 = time.perf_counter()
+    over, default_rounds, epochs = METHODS[method]
+    cfg = load_experiment("configs/thesis_base.yaml", PARTITIONS[partition] + over + list(extra) + [
+        f"seed={seed}", f"train.rounds={rounds or default_rounds}", f"train.local_epochs={epochs}",
+        "tracking.enabled=false"], params)
     prep = prepare(cfg, parts)
-    state = run_rounds(prep)
+    return prep, run_rounds(prep)
+
+
+def best_fixed_beta(partition: str, seed: int, params: str, parts: str) -> float:
+    """FLIS-DC: the best final ARI (each participant's own neighbourhood) over FLIS_DC_GRID."""
+    from flockfl.clustering import ari
+
+    best = 0.0
+    for beta in FLIS_DC_GRID:
+        prep, state = trained("flis_dc", partition, seed, params, parts, extra=(f"algorithm.beta={beta}",))
+        truth = prep.ctx.data.group[prep.ctx.seen]
+        best = max(best, float(ari(truth, state.assignments[prep.ctx.seen])))
+    return best
+
+
+def one(method: str, partition: str, seed: int, params: str, parts: str, rounds: int | None = None,
+        grid: bool = True) -> dict:
+    from flockfl.clustering import ari
+
+    t0 = time.perf_counter()
+    prep, state = trained(method, partition, seed, params, parts, rounds)
     seen = prep.ctx.seen
     recs = state.meta.get("auto_choices", [])
     last = recs[-1] if recs else {}
     truth = prep.ctx.data.group[seen]
-    row = {"method": method, "partition": partition, "seed": seed, "k": int(state.k),
+    row = {"method": method if rounds is None else f"{method} ({rounds} rounds)", "partition": partition,
+           "seed": seed, "k": int(state.k),
            "ari": float(ari(truth, state.assignments[seen])),
            "decisions": len(recs), "last_k": last.get("k"), "margin": last.get("margin"), "wall_s": time.perf_counter() - t0}
     if method == "flis_dc":
@@ -100,6 +130,8 @@ def one(method: str, partition: str, seed: int, params: str, parts: str) -> dict
         # the model each client picks at evaluation (lowest local test loss among the T models)
         row["k"] = int(last.get("k", state.k))
         row["ari_pick"] = float(state.history[-1].get("ari", np.nan))
+        if grid and TRUE_K[partition] > 1:
+            row["best_fixed_beta"] = best_fixed_beta(partition, seed, params, parts)
     if method in MATRICES:
         row["best_any_threshold"] = best_any_threshold(state, prep, method)
     return row
@@ -127,6 +159,8 @@ def report(rows: list[dict], seeds: int) -> str:
                 cell += f"; best any β {np.mean([r['best_any_threshold'] for r in rs]):.2f}"
             if "ari_pick" in rs[0]:
                 cell += f"; picked models {np.nanmean([r['ari_pick'] for r in rs]):.2f}"
+            if all("best_fixed_beta" in r for r in rs):
+                cell += f"; best fixed β {np.mean([r['best_fixed_beta'] for r in rs]):.2f}"
             cells.append(cell)
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -141,7 +175,21 @@ def main() -> int:
     ap.add_argument("--partitions-root", default="data/partitions")
     ap.add_argument("--out", help="write every row as JSON lines here (appended; rows already there are skipped)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", nargs="+", default=[], metavar="METHOD=N",
+                    help="another round budget for a method (its rows are labelled 'METHOD (N rounds)')")
+    ap.add_argument("--no-beta-grid", dest="grid", action="store_false",
+                    help="skip FLIS-DC's fixed-β grid (9 more runs per structured cell)")
     args = ap.parse_args()
+    try:
+        rounds = {m: int(n) for m, n in (item.split("=", 1) for item in args.rounds)}
+    except ValueError:
+        print(f"auto_clusters: error: --rounds takes METHOD=N (an integer), e.g. cfl=40; got {args.rounds}",
+              file=sys.stderr)
+        return 2
+    if set(rounds) - set(METHODS):
+        print(f"auto_clusters: error: --rounds names unknown methods {sorted(set(rounds) - set(METHODS))}; "
+              f"choose from {list(METHODS)}", file=sys.stderr)
+        return 2
     import torch
 
     torch.set_num_threads(args.threads)
@@ -151,14 +199,16 @@ def main() -> int:
     if args.out and Path(args.out).exists():
         done = [json.loads(line) for line in Path(args.out).read_text().splitlines() if line.strip()]
     have = {(r["method"], r["partition"], r["seed"]) for r in done}
-    rows = [r for r in done if r["method"] in args.methods and r["partition"] in args.partitions and r["seed"] < args.seeds]
+    label = {m: m if m not in rounds else f"{m} ({rounds[m]} rounds)" for m in args.methods}
+    rows = [r for r in done if r["method"] in label.values() and r["partition"] in args.partitions
+            and r["seed"] < args.seeds]
     for s in range(args.seeds):  # seed by seed: a partial run still covers every cell
         for p in args.partitions:
             for m in args.methods:
-                if (m, p, s) in have:
+                if (label[m], p, s) in have:
                     continue
                 try:
-                    r = one(m, p, s, args.params, args.partitions_root)
+                    r = one(m, p, s, args.params, args.partitions_root, rounds.get(m), args.grid)
                 except ConfigError as err:
                     print(f"auto_clusters: error: {err}", file=sys.stderr)
                     return 2
@@ -167,7 +217,7 @@ def main() -> int:
                 if args.out:
                     with open(args.out, "a") as f:
                         f.write(json.dumps(r) + "\n")
-    budget = "; ".join(f"{m}: {METHODS[m][1]} rounds × {METHODS[m][2]} local epochs" for m in args.methods)
+    budget = "; ".join(f"{m}: {rounds.get(m, METHODS[m][1])} rounds × {METHODS[m][2]} local epochs" for m in args.methods)
     print(f"\n### Clusters chosen by `auto` ({args.seeds} seeds; mean ARI, its minimum, k per seed)\n")
     print(f"30 clients, all training every round, MLP(64), batch 10, lr 0.1; budget: {budget}\n")
     print(report(rows, args.seeds))

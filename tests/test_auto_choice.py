@@ -154,6 +154,41 @@ def test_flis_dc_decides_every_round_and_logs_it(tmp_path):
     assert float(state.algo["beta_used"]) == pytest.approx(recs[-1]["value"])
 
 
+def test_flis_dc_auto_confirms_across_rounds_under_partial_participation(tmp_path):
+    """5 of 15 clients a round: consecutive cohorts share about two clients, too few to confirm a
+    partition of the cohort. The decision's window (the latest predictions of up to auto_window
+    clients, newest first) shares ten clients with the round before, so the three groups are
+    confirmed and β > 0 once the window holds every group's clients twice running."""
+    cfg = cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300, "auto_window": 15},
+                 rounds=6, clients_per_round=5)
+    prep = prepare(cfg, tmp_path)
+    state = run_rounds(prep)
+    recs = state.meta["auto_choices"]
+    sizes = [r["window"] for r in recs]  # every distinct client seen so far, up to 15
+    assert sizes[0] == 5 and sizes == sorted(sizes) and sizes[-1] > 10
+    held = state.algo["flis_window_clients"].numpy()
+    assert len(np.unique(held)) == len(held) == sizes[-1] and state.algo["flis_window_b"].shape[0] == sizes[-1]
+    confirmed = [r for r in recs if r["k"] > 1]
+    assert recs[-1]["k"] == 3 and all(r["k"] <= 3 and 0 < r["value"] < 1 for r in confirmed)  # groups as they are seen
+    assert float(state.algo["beta_used"]) == pytest.approx(recs[-1]["value"])
+    # the window's groups are the true ones
+    truth = prep.ctx.data.group
+    last = state.meta["flis_auto_last"]
+    assert ari(truth[np.array(last["clients"])], np.array(last["labels"])) == 1.0
+    # deciding on the cohort alone (auto_window = the cohort) is never confirmed here
+    alone = run_rounds(prepare(cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300, "auto_window": 5},
+                                      rounds=6, clients_per_round=5), tmp_path))
+    assert all(r["k"] == 1 for r in alone.meta["auto_choices"])
+
+
+def test_flis_dc_window_resumes_bit_identical(tmp_path):
+    cfg = cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300, "auto_window": 15},
+                 rounds=4, clients_per_round=5, engine="vectorized")
+    full, resumed = assert_resume_bit_identical(cfg, tmp_path, until=2)
+    assert resumed.meta["auto_choices"] == full.meta["auto_choices"]
+    assert np.array_equal(resumed.algo["flis_window_clients"], full.algo["flis_window_clients"])
+
+
 def test_flis_dc_runs_the_clients_models_on_its_data_once_a_round(tmp_path, monkeypatch):
     """cluster and aggregate need the same overlapping clusters: the server's inference pass runs
     once a round (it is FLIS-DC's largest server cost), and a changed model is never served from

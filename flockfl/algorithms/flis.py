@@ -123,6 +123,12 @@ class FLISDC(FLISBase):
                "how a client picks among the cluster models: the thesis's lowest local-test loss, the code's highest "
                "local-test accuracy (both read test labels), or the library's lowest loss on its training data",
                source="thesis", note="Alg. 4: argmin_j L_k(D_k^test; θ_j); the code: argmax local test accuracy"),
+        integer("auto_window", 30, "beta=auto only: the decision's evidence is the latest server-data predictions of "
+                "this many distinct clients (this round's participants, then the most recent others; at least the "
+                "cohort), so that the next round's decision shares clients to confirm it with even when few clients "
+                "train twice running", ge=1, source="library",
+                note="flockfl's auto; the paper sets β by hand. With 10 of 100 clients a round, consecutive rounds "
+                     "share about one client: deciding on the cohort alone could never be confirmed"),
     )
 
     def init_state(self, ctx):
@@ -143,57 +149,82 @@ class FLISDC(FLISBase):
     def eval_assignment(self, state, ctx):
         return self.choose(state, ctx, np.arange(ctx.num_clients))
 
-    def overlapping_clusters(self, state, ctx, result) -> tuple[list[np.ndarray], np.ndarray, Choice | None, float]:
+    def overlapping_clusters(self, state, ctx, result) -> tuple[list[np.ndarray], np.ndarray, Choice | None, float,
+                                                                 tuple | None]:
         """ISC (Alg. 5): one cluster per participant's row of A, identical member sets kept once
         (first-seen order); returns (clusters, the cluster of each participant's own row, the
-        ``auto`` decision or None, β).
+        ``auto`` decision or None, β, the decision's evidence window or None).
 
-        With β = auto the decision is made each round on this round's models, so, as CFL's split
-        test, it counts only when the round before found the same partition of the clients both
-        saw (:func:`~flockfl.algorithms.auto.confirmed`); otherwise β = 0 this round (everyone
+        With β = auto the decision is made each round, on the server-data predictions of this
+        round's participants and of the most recent other clients (:meth:`evidence_window`, up to
+        ``auto_window`` distinct clients), and, as CFL's split test, it counts only when the round
+        before found the same partition of the clients both windows hold
+        (:func:`~flockfl.algorithms.auto.confirmed`); otherwise β = 0 this round (everyone
         together: FedAvg). Without it IID digits clients got two clusters in 2 of 5 seeds (a
-        weak structure, 0.27–0.36, in one round's predictions).
+        weak structure, 0.27–0.36, in one round's predictions). The round's clusters are then
+        formed over its participants at that β, as the paper does.
 
         :meth:`cluster` and :meth:`aggregate` both need it for the same round; the second call
         reuses the first's answer when the round, the clients, their models (a digest of the
-        parameters) and the ``auto`` memory are the same, so the server runs every participant's
-        model on its data once a round, not twice."""
+        parameters), the window and the ``auto`` memory are the same, so the server runs every
+        participant's model on its data once a round, not twice."""
         last = state.meta.get("flis_auto_last")
-        key = (state.round, np.asarray(result.clients).tobytes(), params_digest(result.params), repr(last))
+        held = state.algo.get("flis_window_clients")
+        key = (state.round, np.asarray(result.clients).tobytes(), params_digest(result.params), repr(last),
+               None if held is None else (held.cpu().numpy().tobytes(), params_digest({"b": state.algo["flis_window_b"]})))
         cached = getattr(self, "_isc", None)
         if cached is not None and cached[0] == key:
             return cached[1]
         self._isc = (key, self._overlapping(state, ctx, result, last))
         return self._isc[1]
 
+    def evidence_window(self, state, clients: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(clients, B) that ``auto`` decides on: this round's participants with their fresh
+        predictions, then the latest predictions of the most recent other clients, up to
+        ``auto_window`` distinct clients (never fewer than the cohort). With every client in every
+        round it is exactly the round's participants."""
+        clients = np.asarray(clients, np.int64)
+        held = state.algo.get("flis_window_clients")
+        room = self.cfg.algorithm.auto_window - len(clients)
+        if held is None or room <= 0:
+            return clients, b
+        held = held.cpu().numpy()
+        take = np.flatnonzero(~np.isin(held, clients))[:room]  # the window is kept newest first
+        old = state.algo["flis_window_b"].cpu().numpy()[take].astype(b.dtype)
+        return np.concatenate([clients, held[take]]), np.concatenate([b, old])
+
     def _overlapping(self, state, ctx, result, last):
-        sim = self.similarity(self.inferences(ctx, result.params))
-        choice, beta = None, self.cfg.algorithm.beta
+        b = self.inferences(ctx, result.params)
+        sim = self.similarity(b)
+        choice, beta, window = None, self.cfg.algorithm.beta, None
         if is_auto(beta):
-            beta, choice = self.auto_beta(sim, "complete")
-            if choice.k > 1 and not confirmed(choice, result.clients, last, state.round):
+            window = self.evidence_window(state, result.clients, b)
+            beta, choice = self.auto_beta(sim if len(window[0]) == len(sim) else self.similarity(window[1]), "complete")
+            if choice.k > 1 and not confirmed(choice, window[0], last, state.round):
                 beta = 0.0
                 choice = dataclasses.replace(choice, k=1, reason=choice.reason + f"; k={choice.k} not yet confirmed by the "
                                              "round before (the same partition): β = 0 this round", chosen=choice)
         rows = clustering.threshold_clusters(sim, beta)
         index: dict[tuple, int] = {}
         own = np.array([index.setdefault(tuple(int(m) for m in r), len(index)) for r in rows], np.int64)
-        return [np.array(key, np.int64) for key in index], own, choice, beta
+        return [np.array(key, np.int64) for key in index], own, choice, beta, window
 
     def cluster(self, state, ctx, spec, result):
         return self.overlapping_clusters(state, ctx, result)[1]
 
     def aggregate(self, state, ctx, spec, result, assign):
         """T_{t+1} models: the |D_k|-weighted mean of each (overlapping) cluster's members."""
-        clusters, _, choice, beta = self.overlapping_clusters(state, ctx, result)
+        clusters, _, choice, beta, window = self.overlapping_clusters(state, ctx, result)
         means = [weighted_mean(rows(result.params, m), self.weights(result, m)) for m in clusters]
         models = {k: torch.stack([mean[k] for mean in means]) for k in result.params}
         if choice is not None:
             chosen = choice.chosen or choice  # the criterion's own choice (what the next round confirms)
             state = recorded(state, choice, "algorithm.beta", self.name, state.round, value=beta, unit="similarity",
-                             cut_distance=chosen.value, chosen_k=chosen.k)
-            state = state.replace(algo={**state.algo, "beta_used": torch.tensor(float(beta), dtype=torch.float64)},
-                                  meta={**state.meta, "flis_auto_last": memory(chosen, result.clients, state.round)})
+                             cut_distance=chosen.value, chosen_k=chosen.k, window=len(window[0]))
+            state = state.replace(algo={**state.algo, "beta_used": torch.tensor(float(beta), dtype=torch.float64),
+                                        "flis_window_clients": torch.from_numpy(window[0].copy()),
+                                        "flis_window_b": torch.from_numpy(window[1].astype(np.float32))},
+                                  meta={**state.meta, "flis_auto_last": memory(chosen, window[0], state.round)})
         return self._with_assignments(state, models, result.clients, assign)
 
     def comm_bytes(self, state, clients):
