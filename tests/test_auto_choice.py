@@ -181,6 +181,28 @@ def test_flis_dc_auto_confirms_across_rounds_under_partial_participation(tmp_pat
     assert all(r["k"] == 1 for r in alone.meta["auto_choices"])
 
 
+def test_flis_dc_keeps_the_beta_in_force_until_a_new_choice_is_confirmed(tmp_path):
+    """A round whose choice differs from the round before's changes nothing: the last confirmed β
+    stays (not FedAvg's 0), and the record says so."""
+    prep = prepare(cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300}), tmp_path)
+    state = run_rounds(prep)
+    in_force = float(state.algo["beta_used"])
+    assert 0 < in_force < 1
+    result = type("R", (), {})()
+    result.clients = np.arange(15)
+    result.params = {k: v[torch.from_numpy(state.assignments)] for k, v in state.models.items()}
+    other = {"round": state.round - 1, "clients": list(range(15)), "labels": [0] * 7 + [1] * 8}
+    held = state.replace(meta={**state.meta, "flis_auto_last": other})
+    clusters, _, choice, beta, _ = prep.algorithm.overlapping_clusters(held, prep.ctx, result)
+    assert beta == in_force and choice.chosen.k == 3 and choice.k == len(clusters)
+    assert "the β in force stays" in choice.reason
+    # the same evidence, confirmed by the round before, is taken
+    same = {**other, "labels": choice.chosen.labels.tolist()}
+    _, _, taken, beta2, _ = prep.algorithm.overlapping_clusters(state.replace(meta={**state.meta, "flis_auto_last": same}),
+                                                                prep.ctx, result)
+    assert taken.k == 3 and beta2 == pytest.approx(1 - taken.value) and "stays" not in taken.reason
+
+
 def test_flis_dc_window_resumes_bit_identical(tmp_path):
     cfg = cfg_of({"name": "flis_dc", "beta": "auto", "server_data_size": 300, "auto_window": 15},
                  rounds=4, clients_per_round=5, engine="vectorized")

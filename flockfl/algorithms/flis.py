@@ -60,7 +60,8 @@ HYPER = (
             source="thesis", note="§3.3 footnote 2: 2500 samples"),
     real("beta", None, "similarity threshold: 0 gives FedAvg, 1 local training; auto: the cut of 1 − A with the best "
          "mean silhouette (HC: its own linkage, once; DC: complete linkage, so every cluster is a clique at β, each "
-         "round), 0 if none clears 0.25 (flockfl.clustering.choose; 'FLIS + auto β' in tables)", "β", ge=0, le=1,
+         "round, taken once the round before confirms it), 0 if none clears 0.25 (flockfl.clustering.choose; "
+         "'FLIS + auto β' in tables)", "β", ge=0, le=1,
          auto=True, source="data",
          note="thesis Fig. 3.4, label skew 20%: 0.5 on FMNIST, 0.3 on CIFAR-10 and SVHN; the code's scripts 0.4 (DC) "
               "and 0.45 (HC) on CIFAR-10 Dir(0.5)"),
@@ -159,10 +160,13 @@ class FLISDC(FLISBase):
         round's participants and of the most recent other clients (:meth:`evidence_window`, up to
         ``auto_window`` distinct clients), and, as CFL's split test, it counts only when the round
         before found the same partition of the clients both windows hold
-        (:func:`~flockfl.algorithms.auto.confirmed`); otherwise β = 0 this round (everyone
-        together: FedAvg). Without it IID digits clients got two clusters in 2 of 5 seeds (a
-        weak structure, 0.27–0.36, in one round's predictions). The round's clusters are then
-        formed over its participants at that β, as the paper does.
+        (:func:`~flockfl.algorithms.auto.confirmed`); otherwise the β in force stays (the last
+        confirmed one; 0, everyone together as FedAvg, before any). Without the confirmation IID
+        digits clients got two clusters in 2 of 5 seeds (a weak structure, 0.27–0.36, in one
+        round's predictions); without keeping the β in force, a choice that flickers between the
+        true groups and a split of one of them (digits groups of three labels, 0.64 one round,
+        below 0.5 the next) dropped every other round back to FedAvg. The round's clusters are
+        then formed over its participants at that β, as the paper does.
 
         :meth:`cluster` and :meth:`aggregate` both need it for the same round; the second call
         reuses the first's answer when the round, the clients, their models (a digest of the
@@ -196,17 +200,20 @@ class FLISDC(FLISBase):
     def _overlapping(self, state, ctx, result, last):
         b = self.inferences(ctx, result.params)
         sim = self.similarity(b)
-        choice, beta, window = None, self.cfg.algorithm.beta, None
+        choice, beta, window, held = None, self.cfg.algorithm.beta, None, False
         if is_auto(beta):
             window = self.evidence_window(state, result.clients, b)
             beta, choice = self.auto_beta(sim if len(window[0]) == len(sim) else self.similarity(window[1]), "complete")
-            if choice.k > 1 and not confirmed(choice, window[0], last, state.round):
-                beta = 0.0
-                choice = dataclasses.replace(choice, k=1, reason=choice.reason + f"; k={choice.k} not yet confirmed by the "
-                                             "round before (the same partition): β = 0 this round", chosen=choice)
+            held = choice.k > 1 and not confirmed(choice, window[0], last, state.round)
+            if held:  # the β in force stays (0, everyone together, before any confirmed choice)
+                beta = self.beta(state)
         rows = clustering.threshold_clusters(sim, beta)
         index: dict[tuple, int] = {}
         own = np.array([index.setdefault(tuple(int(m) for m in r), len(index)) for r in rows], np.int64)
+        if held:
+            choice = dataclasses.replace(choice, k=len(index), chosen=choice, reason=choice.reason + (
+                f"; k={choice.k} not yet confirmed by the round before (the same partition): the β in force stays "
+                f"(β = {beta:.3g}, {len(index)} cluster{'s' if len(index) > 1 else ''} this round)"))
         return [np.array(key, np.int64) for key in index], own, choice, beta, window
 
     def cluster(self, state, ctx, spec, result):
