@@ -49,7 +49,8 @@ NEW_KEYS_BAD = [
     ("pacfl", "beta", -1), ("pacfl", "beta", "wide"), ("pacfl", "k", 0), ("pacfl", "linkage", "ward"),
     ("pacfl", "newcomer_mode", "merge"),
     ("flis_dc", "server_data_size", 0), ("flis_dc", "beta", 1.5), ("flis_dc", "outputs", "logits"),
-    ("flis_dc", "similarity", "l2"), ("flis_dc", "select_by", "luck"),
+    ("flis_dc", "similarity", "l2"), ("flis_dc", "select_by", "luck"), ("flis_dc", "auto_window", 0),
+    ("flis_dc", "auto_window", "all"),
     ("flis_hc", "beta", -0.1), ("flis_hc", "linkage", "ward"), ("flis_hc", "server_data_size", True),
     ("fedsc", "k", 0), ("fedsc", "schedule", "parallel"), ("fedsc", "order", "reverse"), ("fedsc", "server_lr", 0),
 ]
