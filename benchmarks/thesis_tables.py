@@ -151,13 +151,12 @@ def auto(args) -> None:
     the paper-default settings (the thesis's β = 0.5 for FLIS, its k = 2 for PACFL) and PACFL's
     largest-gap rule (which keeps one cluster here, so PACFL = FedAvg), with FedAvg and local
     training, under both conventions."""
-    rows = [r for r in ROWS if r[0] in ("local", "fedavg", "pacfl k=2", "pacfl + largest-gap cut", "flis_dc", "flis_hc")]
-    rows = [(f"{n} β=0.5" if n.startswith("flis") else n, o) for n, o in rows]
+    rows = ours_beta([r for r in ROWS if r[0] in ("local", "fedavg", "pacfl k=2", "pacfl + largest-gap cut", "flis_dc",
+                                                  "flis_hc")])
     rows += [("pacfl + auto β", ["algorithm.name=pacfl", "algorithm.beta=auto"]),
              ("flis_dc + auto β", ["algorithm.name=flis_dc", "algorithm.beta=auto"]),
              ("flis_hc + auto β", ["algorithm.name=flis_hc", "algorithm.beta=auto"])]
-    paper = {("flis_dc β=0.5" if k == "flis_dc" else "flis_hc β=0.5" if k == "flis_hc" else k): v
-             for k, v in THESIS["label_skew_c_niid"].items()}
+    paper = dict(ours_beta(THESIS["label_skew_c_niid"].items()))  # the thesis's FLIS rows ran at its β = 0.5
     run_table("auto β against the published settings, C-NIID(20%) Fashion-MNIST (Tables 3.1/3.8 setting)",
               FMNIST + FAIR + [f"train.rounds={args.rounds}", f"train.local_epochs={args.epochs}",
                                "partition.scheme=shards_pct", "partition.rho=20"], rows, paper, args)

@@ -200,17 +200,17 @@ class FLISDC(FLISBase):
     def _overlapping(self, state, ctx, result, last):
         b = self.inferences(ctx, result.params)
         sim = self.similarity(b)
-        choice, beta, window, held = None, self.cfg.algorithm.beta, None, False
+        choice, beta, window, unconfirmed = None, self.cfg.algorithm.beta, None, False
         if is_auto(beta):
             window = self.evidence_window(state, result.clients, b)
             beta, choice = self.auto_beta(sim if len(window[0]) == len(sim) else self.similarity(window[1]), "complete")
-            held = choice.k > 1 and not confirmed(choice, window[0], last, state.round)
-            if held:  # the β in force stays (0, everyone together, before any confirmed choice)
+            unconfirmed = choice.k > 1 and not confirmed(choice, window[0], last, state.round)
+            if unconfirmed:  # the β in force stays (0, everyone together, before any confirmed choice)
                 beta = self.beta(state)
         rows = clustering.threshold_clusters(sim, beta)
         index: dict[tuple, int] = {}
         own = np.array([index.setdefault(tuple(int(m) for m in r), len(index)) for r in rows], np.int64)
-        if held:
+        if unconfirmed:
             choice = dataclasses.replace(choice, k=len(index), chosen=choice, reason=choice.reason + (
                 f"; k={choice.k} not yet confirmed by the round before (the same partition): the β in force stays "
                 f"(β = {beta:.3g}, {len(index)} cluster{'s' if len(index) > 1 else ''} this round)"))
