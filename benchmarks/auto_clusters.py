@@ -3,7 +3,7 @@
 For each clustered method with an ``auto`` key (PACFL β, FLIS-DC β, FLIS-HC β, FedAC K, CFL's split
 decision, IFCA's k with the k-means start, FlexCFL's m) and each partition, over several seeds:
 the number of clusters ``auto`` chose and the ARI of the clients' final clusters against the true
-groups (``ari`` of the last round's evaluation; the same number as ``flock run --json``'s
+groups (``ari`` of the last round's evaluation; the same number as ``flockfl run --json``'s
 ``metrics.ari``). For the methods that cut a dendrogram once (PACFL, FLIS-HC) the table also gives
 the best ARI that *any* threshold reaches on the same matrix: where that is low, the method cannot
 see the structure at all (a property of its measure, named in the note), and no threshold rule

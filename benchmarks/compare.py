@@ -1,7 +1,7 @@
 """Run several algorithms on one partition and print a markdown table.
 
 Every algorithm runs through the real experiment flow (Prefect, checkpoints, MLflow), as a
-nested MLflow run under one parent run, all in this one process: this is ``flock sweep``'s
+nested MLflow run under one parent run, all in this one process: this is ``flockfl sweep``'s
 machinery (flows/sweep.py) with one named variant per algorithm. Running the same command
 again continues an interrupted comparison. Columns: final and best mean client accuracy, final
 10th-percentile client accuracy, rounds and simulated time to the target accuracy, wall
@@ -43,7 +43,7 @@ def algorithm_overrides(name: str, cfg) -> list[str]:
 
 def run_variants(base_ref: str, variants: list[tuple[str, list[str]]], overrides: list[str], params: str,
                  tracking_uri=None, parent_name: str | None = None, parallel: int = 1):
-    """Every (label, overrides) variant of one base config in this process (``flock sweep``'s
+    """Every (label, overrides) variant of one base config in this process (``flockfl sweep``'s
     machinery), each a nested MLflow run under one parent; returns (base config, MLflow parent
     run id, [(label, summary, best accuracy)]). A bad config or an impossible partition raises
     ConfigError before anything runs; the same call again continues an interrupted comparison."""

@@ -1,4 +1,4 @@
-"""A run's fixed cost: what one ``flock run`` spends outside its rounds, phase by phase, before
+"""A run's fixed cost: what one ``flockfl run`` spends outside its rounds, phase by phase, before
 and after issue 22, standalone and inside a sweep, beside the import floor.
 
 The workload is ``ifca_rotated_digits`` (params.yaml: digits, 40 clients, MLP 64-200-10, k=4, so
@@ -8,11 +8,11 @@ in a project folder per code tree (that tree's params.yaml; its MLflow store, Pr
 partitions warmed up by one run first); the table shows medians. Times on 2 shared cores are noisy (±30 %): compare
 medians, and the total, which no phase accounting can flatter.
 
-- standalone: ``flock run … --json``; the phases come from its JSON (``phases_s``,
+- standalone: ``flockfl run … --json``; the phases come from its JSON (``phases_s``,
   ``rounds_wall_s``, ``process_wall_s``), the total is measured outside the process (its exit
   included). "before the flow body" is everything from the interpreter's start to the flow's
   first line: imports, config, the partition, the Prefect API and the flow run's creation.
-- sweep: ``flock sweep … --seeds 0 … S-1`` (no registration, as sweeps do): the median fixed
+- sweep: ``flockfl sweep … --seeds 0 … S-1`` (no registration, as sweeps do): the median fixed
   cost per run (``fixed_s_per_run_median``: a run's time in the sweep minus its rounds) and the
   whole sweep.
 - floor: ``python -c "import torch, prefect, mlflow"``, and the same with the data and plot
@@ -51,13 +51,13 @@ def _env(tree: Path, project: Path) -> dict:
 
 
 def _flock(tree: Path, project: Path, args: list[str]) -> tuple[float, dict]:
-    """One flock command: (seconds measured outside the process, its JSON summary)."""
+    """One flockfl command: (seconds measured outside the process, its JSON summary)."""
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--json", "--no-progress"], cwd=project,
                          env=_env(tree, project), capture_output=True, text=True)
     wall = time.perf_counter() - t
     if res.returncode:
-        raise SystemExit(f"flock {' '.join(args)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
+        raise SystemExit(f"flockfl {' '.join(args)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return wall, json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -71,7 +71,7 @@ def standalone(tree: Path, project: Path, tag: str, rounds: int, fmt: str) -> di
     return {
         "total (measured outside)": wall,
         "outside rounds (total − rounds)": wall - s["rounds_wall_s"],
-        "outside_rounds_s (flock run --json)": s["outside_rounds_s"],
+        "outside_rounds_s (flockfl run --json)": s["outside_rounds_s"],
         "before the flow body": s["process_wall_s"] - s["wall_s"] - p.get("flow_end", 0.0) - close_wait,
         "  of which: API wait + flow-run start": p.get("api_wait", float("nan")) + p.get("flow_start", float("nan")),
         "partition + restore (in the flow)": p.get("partition", 0) + p.get("restore", 0),
@@ -139,7 +139,7 @@ def main() -> None:
     cols = list(samples)
     med = {c: {k: statistics.median(v) for k, v in samples[c].items()} for c in cols}
     rows = list(next(iter(samples.values())))
-    print(f"\nFixed cost of `flock run {EXPERIMENT} --set train.rounds={args.rounds}` (seconds, median of "
+    print(f"\nFixed cost of `flockfl run {EXPERIMENT} --set train.rounds={args.rounds}` (seconds, median of "
           f"{args.repeats}; 2 shared cores, ±30 %)\n")
     print("| phase | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))

@@ -15,7 +15,7 @@ OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
-# a .pth puts the carried packages first in every python3, the `flock` subprocesses included
+# a .pth puts the carried packages first in every python3, the `flockfl` subprocesses included
 # (the tests give those PYTHONPATH=<repo>, which would drop a PYTHONPATH entry)
 SP=$(python3 -c 'import site; print(site.getsitepackages()[0])')
 echo "import sys; sys.path.insert(0, '/tmp/site')" > "$SP/000-flockfl-carry.pth"

@@ -10,7 +10,7 @@ Each row times the training stage of a round (``flockfl.rounds.train_stage``: sh
 ``train.shard_size`` clients, the finite check) for one trainer, with
 ``torch.cuda.synchronize()`` around it; the first round warms up (vmap tracing, cuDNN) and
 is left out; the table gives the median over ``--repeats`` rounds. ``--flock-run`` adds W1
-through the real ``flock run`` (Prefect ephemeral API, evaluation, checkpoints), its
+through the real ``flockfl run`` (Prefect ephemeral API, evaluation, checkpoints), its
 ``round_s_median``.
 
 Numerics follow ``train.fast_math`` (default false: deterministic kernels, no TF32);
@@ -116,7 +116,7 @@ def flock_run_w1(w: dict, npz: Path, args, work: Path) -> dict:
                            "--no-progress", "--partitions", str(work / "parts")],
                           capture_output=True, text=True, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
-        raise SystemExit(f"flock run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise SystemExit(f"flockfl run failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     return {"round_s": s["round_s_median"], "updates_per_s": w["cohort"] / s["round_s_median"]}
 
@@ -139,7 +139,7 @@ def main() -> None:
     ap.add_argument("--fast-math", action="store_true", help="train.fast_math=true: TF32, nondeterministic kernels")
     ap.add_argument("--shard-size", type=int, default=256, help="train.shard_size: clients per vectorised call")
     ap.add_argument("--threads", type=int, default=0, help="train.threads: torch CPU threads (0: the cores, at most 4)")
-    ap.add_argument("--flock-run", action="store_true", help="also W1 through `flock run` (Prefect, evaluation, checkpoints)")
+    ap.add_argument("--flock-run", action="store_true", help="also W1 through `flockfl run` (Prefect, evaluation, checkpoints)")
     ap.add_argument("--engines", nargs="+", default=["vectorized", "reference"], choices=("vectorized", "reference"))
     ap.add_argument("--only", nargs="+", help="workload names to run (W1, W1-all, LeNet-5)")
     args = ap.parse_args()
@@ -174,7 +174,7 @@ def main() -> None:
                       f"{r['round_s']:.4f} | {r['updates_per_s']:,.0f} |", flush=True)
             if args.flock_run and w["name"] == "W1":
                 r = flock_run_w1(w, npz, args, work)
-                print(f"| W1 | mlp 784 | {w['cohort']} | `flock run` round (Prefect, evaluation, checkpoint) | "
+                print(f"| W1 | mlp 784 | {w['cohort']} | `flockfl run` round (Prefect, evaluation, checkpoint) | "
                       f"{r['round_s']:.4f} | {r['updates_per_s']:,.0f} |", flush=True)
 
 

@@ -1,11 +1,11 @@
-"""A ``flock repro`` table run in this process by the plain round loop, without Prefect or MLflow.
+"""A ``flockfl repro`` table run in this process by the plain round loop, without Prefect or MLflow.
 
 For a machine that has a GPU but not the tracking stack (the lent GPU images carry only
 torch and the wheels one brings): the same table definition (configs/repro/), the same cells,
 seeds and protocol, the same rendering beside the published numbers; each cell is
 ``flockfl.rounds.run_rounds`` on ``train.device`` (no checkpoints, no resume: a cell that
 fails is reported and the rest go on). ``--parallel N`` runs N cells at once in threads, which
-keeps a GPU busy when one small model cannot. Use ``flock repro`` wherever the stack is there.
+keeps a GPU busy when one small model cannot. Use ``flockfl repro`` wherever the stack is there.
 
   python benchmarks/repro_direct.py niid_bench_fmnist --device cuda --seeds 0 --parallel 4
   python benchmarks/repro_direct.py niid_bench_fmnist --budget cpu --rows FedAvg --columns IID --seeds 0

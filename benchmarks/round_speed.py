@@ -8,7 +8,7 @@ Rows (each measured in its own child process, so peak RSS is per row):
   sample-weighted average of the state dicts;
 - flockfl trainer: the vectorised cohort trainer alone on the same cohorts;
 - flockfl rounds (no Prefect): select → train → aggregate → evaluate over all 1200 clients;
-- ``flock run``: the real command end to end (Prefect ephemeral API, evaluation,
+- ``flockfl run``: the real command end to end (Prefect ephemeral API, evaluation,
   checkpointing, MLflow logging), its ``round_s_median``.
 
 Usage: python benchmarks/round_speed.py [--rounds 12] [--threads 1 2]
@@ -141,7 +141,7 @@ def run_flock(npz: Path, rounds: int, threads: int, work: Path) -> dict:
                            "--tracking-uri", f"sqlite:///{work}/mlflow.db"],
                           capture_output=True, text=True, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
-        raise SystemExit(f"flock run failed: {proc.stderr.strip().splitlines()[-1]}")
+        raise SystemExit(f"flockfl run failed: {proc.stderr.strip().splitlines()[-1]}")
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     return {"round_s": s["round_s_median"], "compute_s": s["compute_round_s_median"], "engine": s["engine"],
@@ -174,7 +174,7 @@ def main() -> None:
               f"1 epoch, batch {BATCH}; median of {args.rounds - 1} rounds (first left out); cores: {os.cpu_count()}")
         print()
         print("| threads | plain loop s/round | flockfl trainer s/round | flockfl rounds (no Prefect) s/round | "
-              "flock run s/round | speed-up plain / flock run | peak RSS plain / flockfl / flock run (MB) |")
+              "flockfl run s/round | speed-up plain / flockfl run | peak RSS plain / flockfl / flockfl run (MB) |")
         print("|---|---|---|---|---|---|---|")
         extra = []
         for t in args.threads:
@@ -187,7 +187,7 @@ def main() -> None:
             extra.append((t, e2e))
         print()
         for t, e in extra:
-            print(f"threads={t}: flock run engine={e['engine']}, process {e['process_s']:.1f}s, flow {e['flow_s']:.1f}s, "
+            print(f"threads={t}: flockfl run engine={e['engine']}, process {e['process_s']:.1f}s, flow {e['flow_s']:.1f}s, "
                   f"Prefect overhead (round wall minus time inside task bodies) {e['orchestration_ms']:.1f} ms/round; "
                   f"final accuracy {e['accuracy']:.3f}")
 

@@ -3,7 +3,7 @@
 Rows: populations of 1k, 10k and 100k clients × cohorts of 100, 1k and 10k (a cohort never
 exceeds its population), for SCAFFOLD (one control variate c_i per client, kept in a
 ``ClientTable``) and FedAvg (no per-client state). Each row runs in its own child process (so
-peak RSS is that row's) through the same driver as ``flock run`` without Prefect: select → train
+peak RSS is that row's) through the same driver as ``flockfl run`` without Prefect: select → train
 → aggregate → evaluate every federating client (in chunks of ``train.eval_chunk``; every
 ``--eval-every`` rounds), then an atomic checkpoint of the state with its per-client rows, every
 round. The 1M table (issue 22): ``--populations 10000 100000 1000000 --cohorts 1000``.

@@ -1,4 +1,4 @@
-"""Curriculum and pruning composed with clustered algorithms, each run through ``flock run``
+"""Curriculum and pruning composed with clustered algorithms, each run through ``flockfl run``
 (Prefect flow, checkpoints, MLflow), next to the same algorithms without the stages.
 
 Runs (bundled digits, offline):
@@ -53,7 +53,7 @@ def flock_run(experiment: str, sets: list[str], rounds: int, tmp: Path, name: st
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if res.returncode != 0:
-        raise SystemExit(f"{name}: flock run failed ({res.returncode}): {res.stderr.strip()[-400:]}")
+        raise SystemExit(f"{name}: flockfl run failed ({res.returncode}): {res.stderr.strip()[-400:]}")
     return json.loads(res.stdout.strip().splitlines()[-1]), time.perf_counter() - t0
 
 
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
             seen = logged_metrics(f"sqlite:///{tmp / 'mlflow.db'}", summary["run_id"])
             out[name] = (metrics, wall, sorted(m for m in STAGE_METRICS if m in seen))
             print(f"  {name}: {wall:.0f}s", flush=True)
-    print(f"\n{args.rounds} rounds each, through flock run (digits)")
+    print(f"\n{args.rounds} rounds each, through flockfl run (digits)")
     print("| run | accuracy | accuracy after 1 local epoch | subnetwork accuracy | sparsity | MB sent | ARI | "
           "stage metrics in MLflow | wall s |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -74,7 +74,7 @@ ROWS = [
 
 
 def auto_cell(auto: dict) -> str:
-    """The latest ``auto`` decision of a run (``flock run --json``'s ``auto``), in a table cell."""
+    """The latest ``auto`` decision of a run (``flockfl run --json``'s ``auto``), in a table cell."""
     r = auto["latest"][-1]
     value = "" if r["value"] is None else f" {r['key'].split('.')[-1]}={r['value']:.3g}"
     return f"k={r['k']}{value} (silhouette {r['score']:.2f}, margin {r['margin']:.2f})"

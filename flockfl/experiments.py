@@ -238,7 +238,7 @@ def switch_algorithm(raw: dict[str, Any], override: dict[str, Any], notify=None)
 def _notice(message: str) -> None:
     import sys
 
-    print(f"flock: note: {message}", file=sys.stderr)
+    print(f"flockfl: note: {message}", file=sys.stderr)
 
 
 def load_partition_config(name: str, params_path: str | Path = "params.yaml") -> ExperimentConfig:

@@ -1,5 +1,5 @@
 """Figures logged with every run (accuracy curves, the cluster-assignment heat-map, client ×
-client matrices) and the ones `flock report` draws across runs.
+client matrices) and the ones `flockfl report` draws across runs.
 
 Colours that stand for k things (clusters, runs, sweep combinations) come from
 :func:`discrete_colors`: exactly k distinct colours, so a k=4 heat-map shows four."""

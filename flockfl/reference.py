@@ -168,14 +168,14 @@ def config_table() -> str:
                          f"which algorithm runs: one of the table in [algorithms.md](algorithms.md) |")
             lines.append(f"| `{section}.<key>` | per algorithm | per algorithm | the chosen algorithm's own "
                          f"hyper-parameters, declared by each algorithm and checked when the config loads: "
-                         f"see [algorithms.md](algorithms.md) or `flock list ALGORITHM` |")
+                         f"see [algorithms.md](algorithms.md) or `flockfl list ALGORITHM` |")
             continue
         lines += _rows(f"{section}.", cls)
     return "\n".join(lines)
 
 
 def describe_stage(name: str) -> dict:
-    """What ``flock list curriculum|pruning|shift`` shows: the stage's paper and every key of its
+    """What ``flockfl list curriculum|pruning|shift`` shows: the stage's paper and every key of its
     config section with its default, allowed values and meaning."""
     from flockfl.config import ExperimentConfig
     from flockfl.stages import STAGES
@@ -189,7 +189,7 @@ def describe_stage(name: str) -> dict:
 
 
 def algorithm_table() -> str:
-    """docs/algorithms.md's table (the same as ``flock list --markdown``)."""
+    """docs/algorithms.md's table (the same as ``flockfl list --markdown``)."""
     from flockfl.algorithms import algorithm_table as table
 
     return table()

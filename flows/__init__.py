@@ -1,1 +1,1 @@
-"""Prefect flows and the flock command line."""
+"""Prefect flows and the flockfl command line."""

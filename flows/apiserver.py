@@ -1,8 +1,8 @@
-"""The per-process Prefect API that ``flock run``, ``resume`` and ``sweep`` use without a server.
+"""The per-process Prefect API that ``flockfl run``, ``resume`` and ``sweep`` use without a server.
 
 Prefect's own ephemeral mode starts its API server lazily, when the flow first needs a
 client: the process then imports Prefect's whole server package (~2–4 s on 2 cores) only to
-spawn it, and waits idle for it to answer (~4 s more). Its child also outlives a ``flock``
+spawn it, and waits idle for it to answer (~4 s more). Its child also outlives a ``flockfl``
 that is SIGKILLed, orphaned to init.
 
 Here the same server (``uvicorn prefect.server.api.server:create_app``, ephemeral settings,
@@ -14,7 +14,7 @@ flow then finds it through ``PREFECT_API_URL``. The child is tied to this proces
   exits by itself if the parent was already gone when it started;
 - a normal exit stops it (``atexit``).
 
-A ``PREFECT_API_URL`` the user configured (exported, or in the active Prefect profile: ``flock
+A ``PREFECT_API_URL`` the user configured (exported, or in the active Prefect profile: ``flockfl
 server``, a Prefect server of their own, Prefect Cloud) is used as is and nothing is started.
 """
 
@@ -174,7 +174,7 @@ def _database(home: Path) -> Optional[Path]:
 
 
 def _first_start_lock(home: Path):
-    """Several ``flock run``s started together on a new Prefect home: each server would create
+    """Several ``flockfl run``s started together on a new Prefect home: each server would create
     and migrate the same SQLite database at once ("database is locked", alembic errors). Every
     start takes an exclusive lock beside the database; a start that finds the database already
     there lets go at once, the first one keeps the lock until its server answers (migrated).

@@ -1,4 +1,4 @@
-"""``flock``: run, resume, partition, list and browse experiments.
+"""``flockfl``: run, resume, partition, list and browse experiments.
 
 Every user error (bad config, missing data, corrupt checkpoint, unknown run) exits with
 code 2 and one line on stderr. Unexpected errors exit 1 with one line; the traceback is
@@ -23,7 +23,7 @@ EXIT_USAGE = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flock", description="Clustered and personalised federated learning pipelines.")
+    p = argparse.ArgumentParser(prog="flockfl", description="Clustered and personalised federated learning pipelines.")
     p.add_argument("--verbose", action="store_true", help="show Prefect's logs")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--workers", type=int, default=1, help="MLflow server worker processes (default 1)")
 
     lst = sub.add_parser("list", help="experiments in params.yaml, the registered algorithms and the stages; "
-                                      "flock list ALGORITHM shows its paper, hyper-parameters and stages; "
-                                      "flock list curriculum|pruning shows that stage's keys")
+                                      "flockfl list ALGORITHM shows its paper, hyper-parameters and stages; "
+                                      "flockfl list curriculum|pruning shows that stage's keys")
     lst.add_argument("algorithm", nargs="?", metavar="ALGORITHM")
     lst.add_argument("--params", default="params.yaml")
     lst.add_argument("--json", action="store_true")
@@ -92,13 +92,13 @@ def cmd_run(args) -> dict:
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{stamp}")
     if list_checkpoints(run_dir):
         if not args.resume:
-            raise UserError(f"{run_dir} already holds checkpoints; continue it with: flock resume {run_dir}")
+            raise UserError(f"{run_dir} already holds checkpoints; continue it with: flockfl resume {run_dir}")
         if run_identity(read_run_file(run_dir).get("config")) != run_identity(cfg.model_dump()):
             # --resume with a changed config (e.g. a DVC stage whose params changed): keep the
             # old run beside it, never delete it, and start afresh
             archived = run_dir.with_name(f"{run_dir.name}.{stamp}")
             run_dir.rename(archived)
-            print(f"flock: config changed; previous run moved to {archived}", file=sys.stderr)
+            print(f"flockfl: config changed; previous run moved to {archived}", file=sys.stderr)
     return _execute(cfg, run_dir, args, fresh=not list_checkpoints(run_dir))
 
 
@@ -116,7 +116,7 @@ def cmd_resume(args) -> dict:
     run_dir = find_run_dir(args.run, args.tracking_uri)
     info = read_run_file(run_dir)
     if "config" not in info:
-        raise UserError(f"{run_dir}/run.json has no config; it was not written by flock run")
+        raise UserError(f"{run_dir}/run.json has no config; it was not written by flockfl run")
     cfg = validate(info["config"])
     args.tracking_uri = args.tracking_uri or info.get("tracking_uri")
     args.partitions = info.get("partitions_root", args.partitions)
@@ -222,7 +222,7 @@ def _print_summary(s: dict) -> None:
         print(f"  warning: {w}")
     from tasks.tracking import ui_url
 
-    print(f"Browse it: flock ui --tracking-uri {s.get('tracking_uri')}  (then open {ui_url('http://127.0.0.1:5000')})")
+    print(f"Browse it: flockfl ui --tracking-uri {s.get('tracking_uri')}  (then open {ui_url('http://127.0.0.1:5000')})")
 
 
 def _print_algorithm(d: dict) -> None:
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             out["process_wall_s"] = time.time() - _process_start()
             out["outside_rounds_s"] = out["process_wall_s"] - out.get("rounds_wall_s", 0.0)
             for w in out.get("checkpoint_warnings", []) if args.json else []:
-                print(f"flock: warning: {w}", file=sys.stderr)
+                print(f"flockfl: warning: {w}", file=sys.stderr)
             if args.json:
                 print(json.dumps(out, default=str))
             else:
@@ -284,20 +284,20 @@ def main(argv: list[str] | None = None) -> int:
                 for k, v in out.items():
                     print(f"{k}: {', '.join(v) if v else '(none)'}")
     except (FlockError, ApiServerError) as err:
-        print(f"flock: error: {err}", file=sys.stderr)
+        print(f"flockfl: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("flock: interrupted; continue with flock resume RUN_DIR", file=sys.stderr)
+        print("flockfl: interrupted; continue with flockfl resume RUN_DIR", file=sys.stderr)
         return 130
     except Exception as err:  # unexpected: one line, traceback kept on disk
         if os.environ.get("FLOCKFL_DEBUG"):
             raise
-        print(f"flock: error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
+        print(f"flockfl: error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
               f"(traceback in <run-dir>/error.log; FLOCKFL_DEBUG=1 shows it)", file=sys.stderr)
         return 1
     finally:
         if args.command in ("run", "resume") and os.environ.get("FLOCKFL_TIMING"):
-            print(f"flock: {time.perf_counter() - t0:.1f}s in main", file=sys.stderr)
+            print(f"flockfl: {time.perf_counter() - t0:.1f}s in main", file=sys.stderr)
     return 0
 
 

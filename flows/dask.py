@@ -115,7 +115,7 @@ def dask_stage(prep: rounds.PreparedRun, partitions_root: str) -> DaskTraining:
     runner = FlowRunContext.get().task_runner
     if not isinstance(runner, DaskTaskRunner):
         raise executor.ExecutorError("executor.kind: 'dask' needs the flow to run on a DaskTaskRunner; "
-                                     "start it with flows.experiment.run_experiment (flock run)")
+                                     "start it with flows.experiment.run_experiment (flockfl run)")
     try:
         workers = runner.client.scheduler_info(n_workers=-1)["workers"]
     except Exception as err:
@@ -135,7 +135,7 @@ def dask_cluster(ex):
     import logging
     import os
 
-    # quiet unless flock runs with --verbose: distributed logs every connection at INFO (the
+    # quiet unless flockfl runs with --verbose: distributed logs every connection at INFO (the
     # environment reaches the worker processes; an exported value wins)
     quiet = os.environ.get("PREFECT_LOGGING_LEVEL", "").upper() not in ("DEBUG", "INFO")
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error" if quiet else "info")
@@ -163,7 +163,7 @@ def shared_prefect_api(address: str):
     settings the flow sends with each task would make every worker process start one of its
     own (and leave it behind when the worker is killed). For a scheduler on a loopback address
     the workers can reach the flow's per-process API (:mod:`flows.apiserver`, started here if
-    ``flock`` did not start it already), so its URL is made explicit for the flow, and travels
+    ``flockfl`` did not start it already), so its URL is made explicit for the flow, and travels
     with the tasks. A configured ``PREFECT_API_URL`` is left alone."""
     import ipaddress
 

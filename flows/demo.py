@@ -41,7 +41,7 @@ def main() -> int:
     print()
     from tasks.tracking import ui_url
 
-    print(f"Open the MLflow UI:  .venv/bin/flock ui --tracking-uri {uri}   ({ui_url('http://127.0.0.1:5000')})")
+    print(f"Open the MLflow UI:  .venv/bin/flockfl ui --tracking-uri {uri}   ({ui_url('http://127.0.0.1:5000')})")
     return 0
 
 

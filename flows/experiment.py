@@ -60,7 +60,7 @@ class Progress:
 
 @contextmanager
 def _timed(phases: dict, name: str):
-    """Adds the block's wall time to ``phases[name]`` (``flock run --json``'s ``phases_s``)."""
+    """Adds the block's wall time to ``phases[name]`` (``flockfl run --json``'s ``phases_s``)."""
     t = time.perf_counter()
     try:
         yield
@@ -176,7 +176,7 @@ def checkpoint_reference(run_dir: Path, ckpt: Path, state_sha256: str) -> dict:
             "checkpoint_sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest(), "state_sha256": state_sha256,
             "client_state_dir": str(rows.resolve()) if rows.is_dir() else None,
             "client_state_bytes": sum(f.stat().st_size for f in rows.rglob("*.row")) if rows.is_dir() else 0,
-            "resume": f"flock resume {run_dir.resolve()}"}
+            "resume": f"flockfl resume {run_dir.resolve()}"}
 
 
 def _mark_finished(run_dir: Path) -> None:
@@ -188,7 +188,7 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
     """The run's end. Here: the plots and ``assignments.npz``. Then, queued on the tracking
     thread (so the models export while this process finishes the flow, or a sweep its next
     run), in this order: the artifacts, the models, the tags, run.json's ``finished`` mark and
-    the FINISHED status. A kill anywhere in between leaves a run that ``flock resume`` finishes,
+    the FINISHED status. A kill anywhere in between leaves a run that ``flockfl resume`` finishes,
     exporting only the models it lacks. Returns that job (``{"model_versions", "models_s"}``),
     or None without tracking (then the run is marked finished here)."""
     from flockfl import plots
@@ -211,7 +211,7 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
                 files.append(plots.matrix_heatmap(m.numpy(), groups, name, plot_dir / f"{name}.png"))
         if cfg.tracking.plots and state.meta.get(auto.META_KEY):  # the evidence of algorithm.*=auto
             files.append(plots.auto_choice(state.meta[auto.META_KEY], plot_dir / "auto_choice.png"))
-    # what `flock report` draws the assignment heat-maps from: cluster per client per round
+    # what `flockfl report` draws the assignment heat-maps from: cluster per client per round
     # (-1 = not assigned) and each client's true group (-1 = unknown)
     hist = np.asarray(state.assignment_history)
     dtype = np.int16 if hist.size == 0 or hist.max() < 32767 else np.int32
@@ -264,7 +264,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                     tracking_uri: str = "sqlite:///mlflow.db", progress: bool = True,
                     parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
                     run_name: Optional[str] = None) -> dict:
-    """Run (or continue) one experiment; returns the summary that ``flock run --json`` prints.
+    """Run (or continue) one experiment; returns the summary that ``flockfl run --json`` prints.
 
     The rounds are :func:`flockfl.rounds.drive` with task-wrapped stages (:func:`task_stages`);
     each round is then checkpointed and logged.
@@ -407,7 +407,7 @@ def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, t
     if cfg.tracking.enabled:
         prefetch(tracking_uri)
     t_api = time.perf_counter()
-    apiserver.wait_ready()  # the per-process API flock started first thing (no-op otherwise)
+    apiserver.wait_ready()  # the per-process API flockfl started first thing (no-op otherwise)
     args = (cfg.model_dump(), str(run_dir), partitions_root, tracking_uri, progress, parent_run_id, run_tags, run_name)
     flow_run_name = run_name or cfg.name
     t_call = time.perf_counter()
@@ -437,7 +437,7 @@ def settle(summary: dict) -> dict:
     summary: ``model_versions`` and ``tracking_s`` (what the tracking thread spent, off the
     run's path: opening the run, ``models``, …) and ``phases_s["close_wait"]`` (how long this
     waited for it). Re-raises a failure of the tracking (the run is then FAILED, with its
-    error.log, and ``flock resume`` finishes it). A no-op for a run without tracking."""
+    error.log, and ``flockfl resume`` finishes it). A no-op for a run without tracking."""
     pending = _CLOSING.pop(_key(summary["run_dir"]), None)
     if pending is None:
         return summary
@@ -458,7 +458,7 @@ def settle(summary: dict) -> dict:
 def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str], partitions_root: str, fresh: bool,
             progress: bool = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
             run_tags: Optional[dict] = None, run_name: Optional[str] = None, wait: bool = True) -> dict:
-    """Run or resume ``cfg`` in ``run_dir``: what ``flock run``, ``flock resume``, a sweep's
+    """Run or resume ``cfg`` in ``run_dir``: what ``flockfl run``, ``flockfl resume``, a sweep's
     child and a scheduled run all do. A fresh run first builds its partition (before Prefect:
     data errors are one line) and writes run.json; the metrics also go to ``metrics_file``
     (for DVC) when given here or in run.json. ``wait``: see :func:`run_experiment`."""

@@ -1,4 +1,4 @@
-"""What ``flock report`` and ``flock sweep`` print and write: the tables (final metrics per
+"""What ``flockfl report`` and ``flockfl sweep`` print and write: the tables (final metrics per
 run, mean ± std per combination, the thresholds and cluster counts ``algorithm.*=auto`` chose),
 the figures (accuracy and ARI per round, assignment heat-maps, accuracy against bytes and
 simulated time, the auto criterion's curves) and the Markdown and HTML documents."""
@@ -412,7 +412,7 @@ def render_html(blocks: list[tuple], out: Path) -> str:
     import base64
     from html import escape
 
-    title = next((p for k, p in blocks if k == "h1"), "flock report")
+    title = next((p for k, p in blocks if k == "h1"), "flockfl report")
     body = []
     for kind, payload in blocks:
         if kind == "h1":

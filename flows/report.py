@@ -1,4 +1,4 @@
-"""``flock report RUN_OR_PARENT``: one report over a run, a sweep or any parent run's children.
+"""``flockfl report RUN_OR_PARENT``: one report over a run, a sweep or any parent run's children.
 
 RUN_OR_PARENT is an MLflow run id (a parent: the report covers the runs whose
 ``mlflow.parentRunId`` tag names it; otherwise that one run), a run directory (``run.json``) or a
@@ -17,7 +17,7 @@ decisions and the criterion's curves). It writes, in ``--out`` (default
   decision) and ``auto_choice_curves.png`` (each run's latest criterion curve, side by side);
 
 and logs the folder to MLflow under ``report/`` of the parent (or of the single run) unless
-``--no-log``. This module stays light at import: ``flock`` imports it to build its parser.
+``--no-log``. This module stays light at import: ``flockfl`` imports it to build its parser.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def add_parser(sub) -> None:
 def resolve_target(target: str, cli_uri: Optional[str]) -> tuple[str, str]:
     """(tracking URI, MLflow run id) for a run id, a run directory or a sweep directory.
 
-    A ``--tracking-uri`` given on the command line wins over the directory's (as for ``flock
+    A ``--tracking-uri`` given on the command line wins over the directory's (as for ``flockfl
     resume``): the store may have moved since the run was made."""
     import json
 
@@ -75,12 +75,12 @@ def resolve_target(target: str, cli_uri: Optional[str]) -> tuple[str, str]:
                 try:
                     info = json.loads(f.read_text())
                 except ValueError as err:
-                    raise UserError(f"{f} is not valid JSON ({err}); it was not written by flock") from None
+                    raise UserError(f"{f} is not valid JSON ({err}); it was not written by flockfl") from None
                 if not info.get(key):
                     raise UserError(f"{f} has no {key}: the run was not tracked in MLflow "
                                     f"(tracking.enabled: false), so there is nothing to report")
                 return resolve_tracking_uri(cli_uri, info.get("tracking_uri")), str(info[key])
-        raise UserError(f"{path} holds neither run.json (a flock run) nor sweep.json (a flock sweep)")
+        raise UserError(f"{path} holds neither run.json (a flockfl run) nor sweep.json (a flockfl sweep)")
     if not re.fullmatch(r"[0-9a-fA-F]{16,64}", target):
         raise UserError(f"{target!r} is neither a run or sweep directory nor an MLflow run id")
     return resolve_tracking_uri(cli_uri, None), target.lower()
@@ -200,7 +200,7 @@ def build_report(client, root, runs: list[RunSummary], out: Path, uri: str, html
         (out / name).unlink(missing_ok=True)
     name = root.info.run_name or root.info.run_id
     single = len(runs) == 1 and runs[0].run_id == root.info.run_id
-    title = f"flock report: {name} ({root.info.run_id})"
+    title = f"flockfl report: {name} ({root.info.run_id})"
     exp = client.get_experiment(root.info.experiment_id)
     meta = [("runs", "1 (a single run)" if single else f"{len(runs)} child runs of {name}"),
             ("MLflow experiment", f"{exp.name} (id {exp.experiment_id})"),
@@ -242,7 +242,7 @@ def cmd_report(args) -> int:
     if not children and not any(k in root.data.metrics for k in ("accuracy", "loss", "round")):
         raise UserError(f"MLflow run {name} ({run_id}) has no child runs and no metrics of its own: "
                         f"nothing to report yet (is the sweep still starting?)")
-    with tempfile.TemporaryDirectory(prefix="flock-report-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="flockfl-report-") as tmp:
         runs = [load_run(client, r, Path(tmp)) for r in (children or [root])]
     out = Path(args.out or f"runs/reports/{_safe(name)}-{run_id[:8]}")
     report = build_report(client, root, runs, out, uri, args.html)
@@ -267,12 +267,12 @@ def cmd_report(args) -> int:
             client.log_artifacts(run_id, str(out), "report")
         except Exception as err:
             msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-            print(f"flock: warning: the report could not be logged to MLflow run {run_id}: {msg}", file=sys.stderr)
+            print(f"flockfl: warning: the report could not be logged to MLflow run {run_id}: {msg}", file=sys.stderr)
             return 0
         where = "report.html" if args.html else "report.md"
         print(f"logged to MLflow run {name} ({run_id}): {root.info.artifact_uri.rstrip('/')}/report")
         from tasks.tracking import ui_url
 
-        print(f"browse it: flock ui --tracking-uri {uri}, then open "
+        print(f"browse it: flockfl ui --tracking-uri {uri}, then open "
               f"{ui_url('http://127.0.0.1:5000', root.info.experiment_id, run_id, f'report/{where}')}")
     return 0

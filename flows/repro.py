@@ -1,6 +1,6 @@
-"""``flock repro TABLE``: one published table, run by flockfl and printed beside the paper's.
+"""``flockfl repro TABLE``: one published table, run by flockfl and printed beside the paper's.
 
-A table is a file ``configs/repro/<name>.yaml`` (``flock repro --list`` names them). It holds:
+A table is a file ``configs/repro/<name>.yaml`` (``flockfl repro --list`` names them). It holds:
 
 - ``title``, ``paper`` (the source of the published numbers) and ``notes`` (where and why ours
   may differ: budget, model, evaluation convention);
@@ -18,7 +18,7 @@ A table is a file ``configs/repro/<name>.yaml`` (``flock repro --list`` names th
   number (percent), or [mean, std]; ``tolerance``: per source, the points within which ours
   should land (the table counts the cells that do).
 
-Every cell × seed is one child run of ``flock sweep``'s machinery (flows/sweep.py): one Prefect
+Every cell × seed is one child run of ``flockfl sweep``'s machinery (flows/sweep.py): one Prefect
 API and one MLflow store, the children nested under one MLflow parent run, which also gets the
 table (``repro/table.md``, ``repro/table.json``). Running the same command again continues it:
 finished cells are kept, interrupted ones resume from their checkpoints. Nothing is tuned per
@@ -46,7 +46,7 @@ KEYS = {"title", "paper", "notes", "base", "rows", "columns", "budgets", "defaul
 def add_parser(sub) -> None:
     p = sub.add_parser("repro", help="run a published table (3 seeds, resumable) and print ours beside the paper's",
                        description="Run one table of configs/repro/ as a resumable sweep and print ours beside the "
-                                   "published numbers, with the protocol and budget named. flock repro --list names "
+                                   "published numbers, with the protocol and budget named. flockfl repro --list names "
                                    "the tables.")
     p.add_argument("table", nargs="?", metavar="TABLE")
     p.add_argument("--list", action="store_true", help="name the tables and what they reproduce")
@@ -102,7 +102,7 @@ def load_table(name: str) -> Table:
 
     path = TABLES_DIR / f"{name}.yaml"
     if not path.exists():
-        raise ConfigError(f"unknown table {name!r}; choose one of {', '.join(table_names())} (flock repro --list)")
+        raise ConfigError(f"unknown table {name!r}; choose one of {', '.join(table_names())} (flockfl repro --list)")
     raw = read_mapping(path, "describing a table")
     unknown = set(raw) - KEYS
     if unknown:
@@ -358,7 +358,7 @@ def cmd_repro(args) -> int:
             print(json.dumps({"tables": table_names()}))
         return 0
     if not args.table:
-        raise UserError("name a table (flock repro TABLE) or list them (flock repro --list)")
+        raise UserError("name a table (flockfl repro TABLE) or list them (flockfl repro --list)")
     plan = plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, args.overrides, args.params, args.out)
     t = plan.table
     print(f"\n## {t.title}\n\n{describe_setting(plan)}\n")
@@ -395,9 +395,9 @@ def cmd_repro(args) -> int:
         client.log_dict(result.parent_run_id, summary, "repro/table.json")
         client.set_tag(result.parent_run_id, "flockfl.repro.table", args.table)
         client.set_tag(result.parent_run_id, "flockfl.repro.budget", plan.budget)
-        print(f"table folder {plan.out}; MLflow parent run {result.parent_run_id} (flock report {result.parent_run_id})")
+        print(f"table folder {plan.out}; MLflow parent run {result.parent_run_id} (flockfl report {result.parent_run_id})")
     if result.failed:
-        print(f"flock: {len(result.failed)} of {len(plan.sweep.children)} runs failed: "
+        print(f"flockfl: {len(result.failed)} of {len(plan.sweep.children)} runs failed: "
               + "; ".join(f"{c.key}: {c.error}" for c in result.failed)
               + ". Run the same command again to retry them.", file=sys.stderr)
     if args.json:

@@ -1,7 +1,7 @@
-"""``flock schedule``: experiments on a cron, on the Prefect server ``flock server`` starts
+"""``flockfl schedule``: experiments on a cron, on the Prefect server ``flockfl server`` starts
 (:mod:`flows.server`).
 
-``flock schedule EXPERIMENT --cron …`` registers a deployment of :data:`scheduled_experiment`
+``flockfl schedule EXPERIMENT --cron …`` registers a deployment of :data:`scheduled_experiment`
 and serves it in the foreground with a Prefect ``Runner`` (what ``flow.serve`` does), so each
 run executes in a subprocess of this command, on this machine, where the data and the run
 directories are. Each scheduled run resumes the last run of the same config if it was cut off,
@@ -63,7 +63,7 @@ def run_scheduled(experiment: str, overrides: Optional[list[str]] = None, params
                   tracking_uri: Optional[str] = None, partitions_root: str = "data/partitions",
                   runs_root: str = "runs/scheduled", config_digest: Optional[str] = None, log=print) -> dict:
     """One scheduled run: resolve the config, then resume the last cut-off run of it or start
-    a new one, through ``flock run``'s own path (``flows.experiment.execute``). Returns its summary
+    a new one, through ``flockfl run``'s own path (``flows.experiment.execute``). Returns its summary
     plus ``scheduled_action`` (``resumed``, ``started`` or ``skipped``) and ``run_dir``."""
     import fcntl
 
@@ -145,7 +145,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-# ---------------------------------------------------------------------- flock schedule
+# ---------------------------------------------------------------------- flockfl schedule
 
 
 def _api_url() -> str:
@@ -153,10 +153,10 @@ def _api_url() -> str:
 
     url = (PREFECT_API_URL.value() or "").rstrip("/")
     if not url:
-        raise UserError("flock schedule needs a Prefect server: start one with `flock server` and "
+        raise UserError("flockfl schedule needs a Prefect server: start one with `flockfl server` and "
                           "export PREFECT_API_URL=http://127.0.0.1:4200/api")
     if not healthy(url, timeout=5):
-        raise UserError(f"no Prefect server answers at PREFECT_API_URL={url}; start one with `flock server` "
+        raise UserError(f"no Prefect server answers at PREFECT_API_URL={url}; start one with `flockfl server` "
                           f"(or fix PREFECT_API_URL)")
     return url
 
@@ -271,7 +271,7 @@ def cmd_delete(name: str, api_url: str) -> int:
         match = [d for d in deps if d.name == name]
         if not match:
             known = ", ".join(sorted(d.name for d in deps)) or "none"
-            raise UserError(f"no flockfl schedule named {name!r} on {api_url} (known: {known}); see flock schedule --list")
+            raise UserError(f"no flockfl schedule named {name!r} on {api_url} (known: {known}); see flockfl schedule --list")
         for d in match:
             client.delete_deployment(d.id)
     print(f"deleted schedule {name} (its future runs too; past runs stay in the UI)")
@@ -298,7 +298,7 @@ def cmd_schedule(args) -> int:
         api = _api_url()
         return cmd_list(api) if args.list else cmd_delete(args.delete, api)
     if not args.experiment or not args.cron:
-        raise UserError("flock schedule needs EXPERIMENT and --cron, e.g. flock schedule demo --cron '0 3 * * *' "
+        raise UserError("flockfl schedule needs EXPERIMENT and --cron, e.g. flockfl schedule demo --cron '0 3 * * *' "
                           "(or --list / --delete NAME)")
 
     from flockfl.experiments import load_experiment
@@ -356,7 +356,7 @@ def serve(name: str, sched, parameters: dict, api: str, cfg) -> int:
         asyncio.run(runner.start())
     except (KeyboardInterrupt, SystemExit):
         pass
-    print(f"flock: stopped serving {name}; its schedule is paused (run the same flock schedule command to go on)",
+    print(f"flockfl: stopped serving {name}; its schedule is paused (run the same flockfl schedule command to go on)",
           file=sys.stderr)
     return 0
 

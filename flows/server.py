@@ -1,5 +1,5 @@
-"""``flock server``: ``prefect server start`` on 127.0.0.1 with the UI and the services a
-schedule needs (the per-process ephemeral API that ``flock run`` uses has them off), tied to
+"""``flockfl server``: ``prefect server start`` on 127.0.0.1 with the UI and the services a
+schedule needs (the per-process ephemeral API that ``flockfl run`` uses has them off), tied to
 this process, which prints the UI URL and the ``PREFECT_API_URL`` to export."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from flows.env import tie_to_parent
 
 def server_env(port: int) -> dict:
     """The environment of ``prefect server start``: flockfl's defaults turn the UI and the
-    server's services off (right for the ephemeral API of one ``flock run``); a server that
+    server's services off (right for the ephemeral API of one ``flockfl run``); a server that
     keeps schedules needs them on. Its UI talks to its own API, whatever PREFECT_API_URL says."""
     from flows.env import DEFAULTS
 
@@ -61,7 +61,7 @@ def cmd_server(args) -> int:
 
     stop = {"by": "Ctrl-C"}
 
-    def _term(signum, frame):  # `kill` of flock stops the server too
+    def _term(signum, frame):  # `kill` of flockfl stops the server too
         stop["by"] = "SIGTERM"
         raise KeyboardInterrupt
 
@@ -78,14 +78,14 @@ def cmd_server(args) -> int:
         print(f"Prefect server ready in {time.monotonic() - t0:.0f}s (database in {home}); Ctrl-C stops it.\n"
               f"  UI:  {url}\n"
               f"  API: {url}/api\n"
-              f"In the shell that runs flock schedule (or flock run, to see its runs in the UI):\n"
+              f"In the shell that runs flockfl schedule (or flockfl run, to see its runs in the UI):\n"
               f"  export PREFECT_API_URL={url}/api", flush=True)
         ready.set()
         return proc.wait()
     except KeyboardInterrupt:
         # a terminal's Ctrl-C reached the server too (same process group): give it time to stop
         _stop(proc, first_wait=10 if stop["by"] == "Ctrl-C" else 0)
-        print(f"flock: Prefect server stopped ({stop['by']})", file=sys.stderr)
+        print(f"flockfl: Prefect server stopped ({stop['by']})", file=sys.stderr)
         return 0
     finally:
         signal.signal(signal.SIGTERM, old)
@@ -94,7 +94,7 @@ def cmd_server(args) -> int:
 
 def _relay(proc):
     """Read the server's output: kept until it is ready (its banner suggests ``prefect config
-    set``; flock prints what to export instead, and the kept lines explain a failed start),
+    set``; flockfl prints what to export instead, and the kept lines explain a failed start),
     passed on to stderr afterwards (warnings, errors)."""
     import collections
     import threading
@@ -132,6 +132,6 @@ def _stop(proc, first_wait: float) -> None:
 
 def add_parser(sub) -> None:
     srv = sub.add_parser("server", help="start a Prefect server with its UI on 127.0.0.1 "
-                                        "(for flock schedule, and to browse runs in the Prefect UI)")
+                                        "(for flockfl schedule, and to browse runs in the Prefect UI)")
     srv.add_argument("--port", type=int, default=4200)
     srv.set_defaults(handler=cmd_server)

@@ -1,4 +1,4 @@
-"""``flock sweep``: every grid combination × seed of one experiment, in one process.
+"""``flockfl sweep``: every grid combination × seed of one experiment, in one process.
 
 One Prefect API and one MLflow store serve every run; each run is a child MLflow run
 (``mlflow.parentRunId``) of one parent run, tagged ``flockfl.sweep.combo`` (the grid
@@ -178,7 +178,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
         from flockfl.errors import UserError
 
         raise UserError(f"{sweep_dir} holds another sweep (different experiment, grid or seeds); "
-                        f"choose another folder (flock sweep --sweep-dir, flock repro --out) or remove it")
+                        f"choose another folder (flockfl sweep --sweep-dir, flockfl repro --out) or remove it")
     uri = state.get("tracking_uri") or resolve_tracking_uri(tracking_uri, base.tracking.uri)
     experiment = experiment or base.tracking.experiment or base.name
     for child in plan.children:
@@ -275,7 +275,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
         cap = os.environ["FLOCKFL_MAX_THREADS"] = str(max(1, cores // parallel))  # N runs share the cores
     try:
         if parallel > 1 and len(todo) > 1:
-            with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="flock-sweep") as pool:
+            with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="flockfl-sweep") as pool:
                 list(pool.map(lambda c: settle_child(run_child(c)), todo))
         else:  # each run's models export while the next run starts (at most one run closing at a
             # time); a thread records it the moment its export is done, so a kill of the sweep
@@ -290,7 +290,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
                         closing[1].summary["sweep_wall_s"] += time.perf_counter() - t
                         record(closing[1])
                 if done:
-                    closing = (threading.Thread(target=settle_child, args=(done,), name="flock-sweep-settle"), done)
+                    closing = (threading.Thread(target=settle_child, args=(done,), name="flockfl-sweep-settle"), done)
                     closing[0].start()
                 else:
                     closing = None
@@ -431,9 +431,9 @@ def cmd_sweep(args) -> int:
           f"{summary['fixed_s_per_run_median'] or float('nan'):.2f} s median\n")
     print(sweep_table(plan))
     print(f"\nsweep directory {result.sweep_dir}" + (f"; MLflow parent run {result.parent_run_id} "
-                                                    f"(flock report {result.parent_run_id})" if result.parent_run_id else ""))
+                                                    f"(flockfl report {result.parent_run_id})" if result.parent_run_id else ""))
     if result.failed:
-        print(f"flock: {len(result.failed)} of {len(plan.children)} runs failed: "
+        print(f"flockfl: {len(result.failed)} of {len(plan.children)} runs failed: "
               + "; ".join(f"{c.key}: {c.error}" for c in result.failed)
               + ". Run the same command again to retry them.", file=sys.stderr)
     if args.json:

@@ -1,12 +1,12 @@
 """MLflow tracking for one experiment run (the only module that imports MLflow).
 
 One MLflow run per experiment. Per-round metrics go in one ``log_batch`` call (SQLite costs
-~6 ms per single ``log_metric``). The run id is kept in the run directory, so ``flock
+~6 ms per single ``log_metric``). The run id is kept in the run directory, so ``flockfl
 resume`` keeps logging into the same MLflow run, and rounds already logged are not logged
 twice.
 
 The store is opened with :func:`open_store` (a new SQLite store is created by one process at
-a time, so ``flock run``s started together on it all work), experiments with
+a time, so ``flockfl run``s started together on it all work), experiments with
 :func:`ensure_experiment` (a training experiment, not a GenAI one), and links into the MLflow
 UI are made by :func:`ui_url` (the training view).
 
@@ -315,7 +315,7 @@ class Tracker:
         reqs = [f"torch=={torch.__version__.split('+')[0]}"]
         # the registry prints "Created version ..." to stderr for every version: keep it quiet
         # (and the pickle format's warning about unpickling untrusted files: these are the run's own)
-        # torch.export traces through process-global state: one model at a time (flock sweep --parallel)
+        # torch.export traces through process-global state: one model at a time (flockfl sweep --parallel)
         with _EXPORT_LOCK, mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()), \
                 _quiet("mlflow.pytorch"), _own_requirements():
             for j in range(k):

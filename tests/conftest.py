@@ -58,18 +58,18 @@ def flock_env(extra: dict | None = None) -> dict:
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
     env.pop("FLOCKFL_CRASH_AT", None)
-    # an in-process `flock run` of an earlier test pointed this process's PREFECT_API_URL at
-    # its own per-process API; a flock subprocess starts its own unless a test passes one
+    # an in-process `flockfl run` of an earlier test pointed this process's PREFECT_API_URL at
+    # its own per-process API; a flockfl subprocess starts its own unless a test passes one
     env.pop("PREFECT_API_URL", None)
     # mlflow.set_tracking_uri (an in-process Tracker of an earlier test) exports
-    # MLFLOW_TRACKING_URI: a flock subprocess would log to that test's store, not to its cwd's
+    # MLFLOW_TRACKING_URI: a flockfl subprocess would log to that test's store, not to its cwd's
     env.pop("MLFLOW_TRACKING_URI", None)
     env.update(extra or {})
     return env
 
 
 def run_flock(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """Run the real `flock` command in a subprocess, in its own session (see run_in_session)."""
+    """Run the real `flockfl` command in a subprocess, in its own session (see run_in_session)."""
     return run_in_session([sys.executable, "-m", "flows.cli", *args], cwd, flock_env(env), timeout)
 
 

@@ -4,7 +4,7 @@ restructuring must keep (``tests/test_digests.py`` checks it; ``python tests/dig
 
 Every algorithm (and the variant families that switch code paths), both trainers, each stage
 (curriculum, pruning, shift, newcomers), a resume in the middle of a run, and the Prefect flow
-and the Dask executor through ``flock run``.
+and the Dask executor through ``flockfl run``.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def run_case(name: str, raw: dict, root: Path) -> str:
     return resumed.digest()
 
 
-# through the real `flock run` process (the Prefect flow; the Dask executor on a LocalCluster)
+# through the real `flockfl run` process (the Prefect flow; the Dask executor on a LocalCluster)
 FLOCK_RUNS: dict[str, dict] = {
     "flow/ifca": {"algorithm": {"name": "ifca", **K2}, "train": {"shard_size": 4}},
     "dask/scaffold": {"algorithm": {"name": "scaffold"}, "train": {"shard_size": 2, "threads": 1},

@@ -1,7 +1,7 @@
 """``auto`` thresholds and cluster counts (flockfl.clustering.choose, flockfl.algorithms.auto):
 the criterion on hand-made proximity matrices with known structure (and none), the one-shot
 methods (PACFL, FLIS-HC) and FLIS-DC choosing β from their own evidence, the evidence in the
-state, ``flock run --json`` and MLflow, resume, newcomers, and bad values."""
+state, ``flockfl run --json`` and MLflow, resume, newcomers, and bad values."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def test_a_bad_value_of_a_new_key_exits_2_with_one_line(workdir, name, key, bad)
     (workdir / "bad.yaml").write_text(yaml.safe_dump(raw))
     res = run_flock(["run", "bad.yaml"], workdir, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.startswith(f"flock: error: config error: algorithm.{key}: {bad!r} is not allowed for {name}")
+    assert res.stderr.startswith(f"flockfl: error: config error: algorithm.{key}: {bad!r} is not allowed for {name}")
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert not (workdir / "runs").exists()  # nothing ran
 

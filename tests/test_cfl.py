@@ -2,7 +2,7 @@
 splits; ε₂ out of reach is uniform FedAvg; IID digits never split while label-swapped digits split
 into their 4 groups, first when the stationarity criterion held; the bi-partitions (single
 linkage = the brute-force min-max, complete = sklearn's); the γ check; one-line errors for every
-key; `flock list cfl`."""
+key; `flockfl list cfl`."""
 
 from __future__ import annotations
 

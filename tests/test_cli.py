@@ -1,4 +1,4 @@
-"""The `flock` command line: config errors are one line with exit code 2; list and partition."""
+"""The `flockfl` command line: config errors are one line with exit code 2; list and partition."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_config_errors_exit_2_with_one_line(in_workdir, capsys, argv, needle):
 def test_real_process_prints_no_traceback(workdir):
     res = run_flock(["run", "ifca_rotated_digits", "--set", "algorithm.k=zero"], workdir, timeout=120)
     assert res.returncode == 2
-    assert res.stderr.strip().startswith("flock: error: config error: algorithm.k")
+    assert res.stderr.strip().startswith("flockfl: error: config error: algorithm.k")
     assert "Traceback" not in res.stderr and res.stderr.count("\n") == 1
 
 

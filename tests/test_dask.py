@@ -213,7 +213,7 @@ def test_workers_that_cannot_read_the_partition_stop_the_run(cluster, runs, tmp_
     from flows.experiment import run_experiment
 
     cfg = config("fedavg", kind="dask", address=cluster.scheduler_address, data_root=str(tmp_path / "empty"))
-    (tmp_path / "run").mkdir()  # as `flock run` makes it: the flow writes error.log there
+    (tmp_path / "run").mkdir()  # as `flockfl run` makes it: the flow writes error.log there
     with pytest.raises(ExecutorError, match="cannot read the partition"):
         run_experiment(cfg, tmp_path / "run", str(runs.root / "parts"), f"sqlite:///{tmp_path}/m.db", progress=False)
 
@@ -263,15 +263,15 @@ def test_bad_address_is_one_line_exit_2(workdir, monkeypatch, capsys):
                "--set", "executor.connect_timeout_s=1"])
     err = capsys.readouterr().err
     assert rc == 2, err
-    assert err.startswith("flock: error: executor.address: cannot reach a Dask scheduler at") and err.count("\n") == 1, err
+    assert err.startswith("flockfl: error: executor.address: cannot reach a Dask scheduler at") and err.count("\n") == 1, err
     assert "Traceback" not in err
 
 
 @pytest.mark.slow
 def test_a_local_run_continues_on_dask(cluster, workdir, monkeypatch, capsys):
-    """The executor is not part of a run's identity: a run `flock run` started locally (here its
+    """The executor is not part of a run's identity: a run `flockfl run` started locally (here its
     last checkpoint is removed, as if it had been killed) continues on the cluster with
-    `flock run --resume --set executor.kind=dask`, instead of being moved aside."""
+    `flockfl run --resume --set executor.kind=dask`, instead of being moved aside."""
     from flows.cli import main
 
     monkeypatch.chdir(workdir)

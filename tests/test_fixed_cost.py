@@ -1,7 +1,7 @@
 """A run's fixed cost (issue 22): its tracking runs on a background thread (MLflow imported and
 its store opened while the data loads, the models exported while the process ends), and what
 that must never cost: the models are there once the process has exited, a kill during the
-export leaves a run that ``flock resume`` finishes without duplicates, a failed tracking call
+export leaves a run that ``flockfl resume`` finishes without duplicates, a failed tracking call
 stops the run from being marked FINISHED. Also the two model formats side by side: both load
 back through ``runs:/`` and the registry's ``models:/`` with the same outputs."""
 
@@ -78,7 +78,7 @@ def test_models_exported_in_the_background_are_there_after_the_process_exits(pro
 @pytest.mark.slow
 def test_a_kill_during_the_export_leaves_a_run_that_resume_finishes_without_duplicates(project):
     """SIGKILL between logging model cluster_1 and registering it (the drill's ``1:export``):
-    the run is not marked finished, its MLflow run is not FINISHED; ``flock resume`` keeps
+    the run is not marked finished, its MLflow run is not FINISHED; ``flockfl resume`` keeps
     cluster_0's version and cluster_1's logged model, registers cluster_1 once, and ends
     bit-identical to an uninterrupted run."""
     from mlflow.tracking import MlflowClient

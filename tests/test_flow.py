@@ -1,5 +1,5 @@
-"""End to end through the real `flock` process: Prefect (ephemeral API), MLflow (SQLite
-store, queried here), checkpoints, SIGKILL mid-round and `flock resume`."""
+"""End to end through the real `flockfl` process: Prefect (ephemeral API), MLflow (SQLite
+store, queried here), checkpoints, SIGKILL mid-round and `flockfl resume`."""
 
 from __future__ import annotations
 
@@ -149,11 +149,11 @@ def test_resume_with_a_corrupt_newest_checkpoint_falls_back(project, reference_r
 
 def test_existing_run_dir_is_not_overwritten(project, reference_run):
     res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/full", "--tracking-uri", uri(project)], project, timeout=120)
-    assert res.returncode == 2 and "flock resume runs/full" in res.stderr
+    assert res.returncode == 2 and "flockfl resume runs/full" in res.stderr
 
 
 def test_flock_ui_serves_mlflow_on_loopback(project, reference_run):
-    """`flock ui` starts the real MLflow UI on 127.0.0.1 against the same store."""
+    """`flockfl ui` starts the real MLflow UI on 127.0.0.1 against the same store."""
     import os
     import socket
     import subprocess

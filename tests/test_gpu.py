@@ -1,4 +1,4 @@
-"""The CUDA path: deterministic numerics, both trainers, CPU/GPU agreement, resume, `flock run`.
+"""The CUDA path: deterministic numerics, both trainers, CPU/GPU agreement, resume, `flockfl run`.
 
 Device-parametrised tests run on three devices:
 
@@ -238,7 +238,7 @@ def test_resume_is_bit_identical_on_the_device(device, algorithm, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_flock_run_on_cuda_matches_the_plain_loop(workdir, tmp_path):
-    """`flock run --set train.device=cuda` end to end (Prefect flow, checkpoints): its state
+    """`flockfl run --set train.device=cuda` end to end (Prefect flow, checkpoints): its state
     digest equals the plain loop's on the same GPU (deterministic numerics across processes)."""
     from flockfl.rounds import prepare, run_rounds
 

@@ -1,5 +1,5 @@
 """Algorithm-owned hyper-parameters: declarations, validation at load time, algorithm switching,
-`flock list ALGORITHM`, and README's generated table."""
+`flockfl list ALGORITHM`, and README's generated table."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The MLflow store as flockfl uses it (issue 18): several `flock run`s started at once on a new
+"""The MLflow store as flockfl uses it (issue 18): several `flockfl run`s started at once on a new
 SQLite store all finish (only one of them creates the schema), and every experiment flockfl
 creates or reuses is a training experiment (``mlflow.experimentKind``), so the MLflow 3 UI
 opens it on its runs and charts, not on the GenAI (traces) view."""
@@ -22,7 +22,7 @@ KIND = "custom_model_development"
 
 
 def test_runs_started_together_on_a_new_store_all_finish(tmp_path):
-    """Three real `flock run` processes started at once (as a shell loop with ``&`` does) on an
+    """Three real `flockfl run` processes started at once (as a shell loop with ``&`` does) on an
     MLflow store and a Prefect home that do not exist yet: all exit 0, and the store holds three finished runs in one
     experiment that carries the training kind tag."""
     from mlflow.tracking import MlflowClient

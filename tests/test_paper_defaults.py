@@ -1,5 +1,5 @@
 """A registry name is the method as published (issue 19): every seed method's defaults say where
-they come from (paper, thesis, official code, library, or the data), `flock list` shows it, IFCA
+they come from (paper, thesis, official code, library, or the data), `flockfl list` shows it, IFCA
 and DIFCA start as their publications do (random models, no central step before round 0), PACFL
 takes the official code's configuration, and a β that only the data can set stops the run with
 one line instead of quietly becoming another method."""
@@ -110,7 +110,7 @@ def test_flock_list_prints_the_source_of_every_default(workdir):
 
 
 def test_flock_list_text_has_a_source_column_with_the_note(workdir):
-    """The table ``flock list ALGORITHM`` prints (flows/cli.py's ``_print_algorithm``) shows each
+    """The table ``flockfl list ALGORITHM`` prints (flows/cli.py's ``_print_algorithm``) shows each
     default's source and, after the meaning, which value or script it is."""
     text = run_flock(["list", "pacfl"], workdir, timeout=120)
     assert text.returncode == 0, text.stderr
@@ -154,7 +154,7 @@ def test_the_cli_stops_with_exit_2_and_one_line_when_beta_is_unset(workdir, name
     (workdir / "no_beta.yaml").write_text(yaml.safe_dump(raw))
     res = run_flock(["run", "no_beta.yaml"], workdir, timeout=120)
     assert res.returncode == 2, res.stderr
-    assert res.stderr.startswith(f"flock: error: config error: algorithm.beta: {name} has no published default")
+    assert res.stderr.startswith(f"flockfl: error: config error: algorithm.beta: {name} has no published default")
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert not (workdir / "runs").exists()  # nothing ran
 

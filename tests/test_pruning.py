@@ -495,7 +495,7 @@ def test_keys_that_clash_exit_2_with_one_line(in_workdir, capsys, settings, need
 def test_a_real_process_with_a_bad_pruning_key_prints_one_line(workdir):
     res = run_flock(["run", "fedavg_rotated_digits", "--set", "pruning.method=structured"], workdir, timeout=120)
     assert res.returncode == 2
-    assert res.stderr.strip().startswith("flock: error: config error: pruning.method")
+    assert res.stderr.strip().startswith("flockfl: error: config error: pruning.method")
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
 
 

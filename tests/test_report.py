@@ -1,5 +1,5 @@
-"""`flock report` and what a user sees of it: colour maps that fit k, the report over a parent
-run's children (real Prefect flows, a real MLflow SQLite store, the real `flock` process), and
+"""`flockfl report` and what a user sees of it: colour maps that fit k, the report over a parent
+run's children (real Prefect flows, a real MLflow SQLite store, the real `flockfl` process), and
 the MLflow UI in a real headless browser showing the run and the logged report."""
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def study(tmp_path_factory):
         run_dir = root / "runs" / f"ifca-seed{seed}"
         run_dir.mkdir(parents=True)
         out = run_experiment(cfg, run_dir, str(root / "parts"), uri, progress=False, parent_run_id=parent.run_id)
-        # what `flock sweep` tags its children with: the grid combination and the seed
+        # what `flockfl sweep` tags its children with: the grid combination and the seed
         client.set_tag(out["run_id"], "flockfl.sweep.combo", "algorithm.k=2")
         client.set_tag(out["run_id"], "flockfl.seed", str(seed))
         children[f"ifca-seed{seed}"] = out["run_id"]
@@ -152,7 +152,7 @@ def study(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def parent_report(study):
-    """`flock report <parent> --html` through the real `flock` process."""
+    """`flockfl report <parent> --html` through the real `flockfl` process."""
     res = run_flock(["report", study["parent"], "--html", "--tracking-uri", study["uri"]], study["root"])
     out = study["root"] / "runs" / "reports" / f"study-parent-{study['parent'][:8]}"
     return res, out
@@ -177,7 +177,7 @@ def test_parent_report_covers_the_children(study, parent_report):
         assert float(r["rounds"]) == 2 and 0 <= float(r["accuracy"]) <= 1 and float(r["comm_mb"]) > 0
         assert float(r["num_clusters"]) == 2 and -1 <= float(r["ari"]) <= 1 and float(r["sim_time"]) > 0
     html = (out / "report.html").read_text()
-    assert f"<title>flock report: study-parent ({study['parent']})</title>" in html
+    assert f"<title>flockfl report: study-parent ({study['parent']})</title>" in html
     assert html.count('src="data:image/png;base64,') == 5 and "<table>" in html
     assert "src=\"accuracy" not in html  # self-contained: no file references
     # logged to the parent run under report/
@@ -235,7 +235,7 @@ def test_unknown_target_is_one_line(study, capsys, target, message):
 
     assert main(["report", target, "--tracking-uri", study["uri"]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("flock: error: ") and message in err[0], err
+    assert len(err) == 1 and err[0].startswith("flockfl: error: ") and message in err[0], err
 
 
 @pytest.mark.slow
@@ -311,7 +311,7 @@ def test_mlflow_ui_shows_the_run_and_its_report(study, parent_report, tmp_path):
         assert served == (study["root"] / "runs" / "reports" / f"study-parent-{parent[:8]}" / "report.html").read_bytes()
         (tmp_path / "served_report.html").write_bytes(served)
         _, dom = _look((tmp_path / "served_report.html").as_uri(), "report_served", tmp_path)
-        assert f"flock report: study-parent ({parent})" in dom and "ifca-seed3" in dom and "ifca-seed4" in dom
+        assert f"flockfl report: study-parent ({parent})" in dom and "ifca-seed3" in dom and "ifca-seed4" in dom
         assert dom.count("data:image/png;base64,") == 5
     finally:
         try:

@@ -1,8 +1,8 @@
-"""`flock report` and ``algorithm.*=auto``: the section "Thresholds and cluster counts chosen from
+"""`flockfl report` and ``algorithm.*=auto``: the section "Thresholds and cluster counts chosen from
 the data (auto)" (the latest decision per run and key, from each run's ``auto_choices.json``)
 and the figure of the criterion's curves side by side. The decisions in the fast tests are made
-by the real criterion (flockfl.clustering.choose); the end-to-end tests run a real `flock sweep`
-of PACFL with ``algorithm.beta=auto`` into a real MLflow SQLite store and the real `flock report`."""
+by the real criterion (flockfl.clustering.choose); the end-to-end tests run a real `flockfl sweep`
+of PACFL with ``algorithm.beta=auto`` into a real MLflow SQLite store and the real `flockfl report`."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def test_the_section_is_there_only_when_some_run_has_auto_keys(decided, tmp_path
     assert "| decided |" not in md and "auto_choice_curves" not in md
 
 
-# ---------------------------------------------------------------------- end to end: flock sweep → flock report
+# ---------------------------------------------------------------------- end to end: flockfl sweep → flockfl report
 
 
 SWEEP = ["--set", "algorithm.name=pacfl", "--set", "algorithm.beta=auto", "--set", "model.hidden=32",
@@ -147,7 +147,7 @@ SWEEP = ["--set", "algorithm.name=pacfl", "--set", "algorithm.beta=auto", "--set
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    """A real `flock sweep` of PACFL (four child runs) into a SQLite store in a temp folder."""
+    """A real `flockfl sweep` of PACFL (four child runs) into a SQLite store in a temp folder."""
     from mlflow.tracking import MlflowClient
 
     root = tmp_path_factory.mktemp("report_auto")
@@ -165,7 +165,7 @@ def sweep(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def report(sweep):
-    """`flock report <sweep dir> --html` through the real `flock` process (logged to the parent)."""
+    """`flockfl report <sweep dir> --html` through the real `flockfl` process (logged to the parent)."""
     res = run_flock(["report", str(sweep["root"] / "sweep"), "--html", "--tracking-uri", sweep["uri"]], sweep["root"])
     return res, sweep["root"] / "runs" / "reports" / f"auto-sweep-{sweep['parent'][:8]}"
 

@@ -1,4 +1,4 @@
-"""`flock repro TABLE`: the tables of configs/repro/ load, every cell of every budget is a valid
+"""`flockfl repro TABLE`: the tables of configs/repro/ load, every cell of every budget is a valid
 experiment, published numbers name real rows and columns; a small table runs end to end through
 the real CLI (Prefect, MLflow SQLite), prints ours beside the published numbers with the protocol
 and budget named, logs the table to the MLflow parent run, and the same command continues it."""

@@ -1,5 +1,5 @@
-"""`flock server` and `flock schedule`, for real: a Prefect server with its UI, a cron
-deployment served by `flock schedule`, its run (with the experiment as a subflow of per-round
+"""`flockfl server` and `flockfl schedule`, for real: a Prefect server with its UI, a cron
+deployment served by `flockfl schedule`, its run (with the experiment as a subflow of per-round
 task runs) in the Prefect API and in MLflow, and the run's page in the Prefect UI rendered by
 a headless Chromium. Plus resume-or-start of scheduled runs, without a server.
 
@@ -89,7 +89,7 @@ def test_schedule_errors_are_one_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "Invalid cron string" in bad.stderr, bad.stderr
     noapi = run_flock(["schedule", "sched.yaml", "--cron", "0 3 * * *"], d, env=env)
     assert noapi.returncode == 2 and noapi.stderr.count("\n") == 1, noapi.stderr
-    assert "flock server" in noapi.stderr and "export PREFECT_API_URL=" in noapi.stderr
+    assert "flockfl server" in noapi.stderr and "export PREFECT_API_URL=" in noapi.stderr
 
 
 # ---------------------------------------------------------------------- a live server
@@ -107,7 +107,7 @@ def _post(url: str, body: dict):
 
 
 class Live:
-    """`flock server` and `flock schedule` as real subprocesses, each in its own session with
+    """`flockfl server` and `flockfl schedule` as real subprocesses, each in its own session with
     its output in files; started in a thread so that the server-less tests run meanwhile."""
 
     def __init__(self, d: Path):
@@ -140,15 +140,15 @@ class Live:
             server = self._spawn("server", ["server", "--port", str(self.port)])
             t0 = time.monotonic()
             while "export PREFECT_API_URL" not in self.log("server"):
-                assert server.poll() is None, f"flock server exited:\n{self.log('server')}"
-                assert time.monotonic() - t0 < 150, f"flock server not ready in 150 s:\n{self.log('server')}"
+                assert server.poll() is None, f"flockfl server exited:\n{self.log('server')}"
+                assert time.monotonic() - t0 < 150, f"flockfl server not ready in 150 s:\n{self.log('server')}"
                 time.sleep(0.5)
             assert _get(f"{self.api}/health") is True
             self.server_ready_s = time.monotonic() - t0
             sched = self._spawn("schedule", ["schedule", "sched.yaml", "--cron", "* * * * *", "--tracking-uri", self.uri])
             while "UI:" not in self.log("schedule"):
-                assert sched.poll() is None, f"flock schedule exited:\n{self.log('schedule')}"
-                assert time.monotonic() - t0 < 200, f"flock schedule did not start serving:\n{self.log('schedule')}"
+                assert sched.poll() is None, f"flockfl schedule exited:\n{self.log('schedule')}"
+                assert time.monotonic() - t0 < 200, f"flockfl schedule did not start serving:\n{self.log('schedule')}"
                 time.sleep(0.5)
             self.scheduled_at = time.monotonic()
         except BaseException as err:  # re-raised in the test that waits for it
@@ -182,7 +182,7 @@ class Live:
                 self._done = done[0]
                 self.wait_s = time.monotonic() - self.scheduled_at
                 return self._done
-            assert self.procs["schedule"].poll() is None, f"flock schedule exited:\n{self.log('schedule')[-3000:]}"
+            assert self.procs["schedule"].poll() is None, f"flockfl schedule exited:\n{self.log('schedule')[-3000:]}"
             assert time.monotonic() - self.scheduled_at < 150, (
                 f"no COMPLETED run within 150 s: {[(r['name'], r['state_type']) for r in runs]}\n{self.log('schedule')[-3000:]}")
             time.sleep(2)

@@ -1,5 +1,5 @@
-"""`flock sweep` (one process, nested MLflow runs, resume after SIGKILL) and the per-process
-Prefect API (it starts first, dies with a SIGKILLed flock): real flock processes, a real
+"""`flockfl sweep` (one process, nested MLflow runs, resume after SIGKILL) and the per-process
+Prefect API (it starts first, dies with a SIGKILLed flockfl): real flockfl processes, a real
 Prefect API, a real MLflow SQLite store."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from conftest import ROOT, flock_env, last_json, run_flock, tiny_config
 
 pytestmark = pytest.mark.slow
 
-# pickle: ~3 s less per flock process than pt2 (torch.export's imports); the parallel sweep
+# pickle: ~3 s less per flockfl process than pt2 (torch.export's imports); the parallel sweep
 # below uses pt2, whose export must be serialised across threads
 CONFIG = tiny_config(name="sw", seed=0, algorithm={"name": "ifca", "k": 2, "init": "random"},
                      tracking={"enabled": True, "register_model": False, "model_format": "pickle"})
@@ -83,7 +83,7 @@ def test_sweep_runs_are_nested_mlflow_runs_with_tags(project, swept):
 
 
 def test_a_sweep_run_equals_the_same_flock_run(project, swept):
-    """Sharing one process changes nothing: a child's state equals a separate `flock run`."""
+    """Sharing one process changes nothing: a child's state equals a separate `flockfl run`."""
     s = last_json(swept.stdout)
     res = run_flock(["run", "sw.yaml", "--set", "train.lr=0.1", "--set", "seed=1", "--run-dir", "runs/single",
                      "--json", "--tracking-uri", uri(project)], project)
@@ -117,7 +117,7 @@ def test_bad_grid_is_one_line(project):
         res = run_flock(["sweep", "sw.yaml", "--grid", grid, "--tracking-uri", uri(project)], project)
         assert res.returncode == 2, res.stderr
         lines = res.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith("flock: error:") and needle in lines[0], res.stderr
+        assert len(lines) == 1 and lines[0].startswith("flockfl: error:") and needle in lines[0], res.stderr
 
 
 def _popen_flock(args, cwd: Path, out):
@@ -131,7 +131,7 @@ def _wait_for(pred, timeout: float, proc=None) -> None:
         if pred():
             return
         if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"flock exited ({proc.returncode}) before the condition held")
+            raise AssertionError(f"flockfl exited ({proc.returncode}) before the condition held")
         time.sleep(0.02)
     raise AssertionError("timed out")
 
@@ -188,7 +188,7 @@ def test_killed_sweep_resumes_from_checkpoints(project):
 
 
 def test_sigkilled_flock_run_leaves_no_process(project):
-    """The per-process Prefect API server starts with flock and dies with it, even on SIGKILL."""
+    """The per-process Prefect API server starts with flockfl and dies with it, even on SIGKILL."""
     import psutil
 
     run_dir = project / "runs/orphan"
@@ -198,7 +198,7 @@ def test_sigkilled_flock_run_leaves_no_process(project):
             _wait_for(lambda: len(list((run_dir / "checkpoints").glob("ckpt-*.pt"))) >= 2, 180, proc)
             kids = psutil.Process(proc.pid).children(recursive=True)
             api = [k for k in kids if "prefect.server.api.server:create_app" in " ".join(k.cmdline())]
-            assert api, f"no Prefect API server among flock's children: {[k.cmdline() for k in kids]}"
+            assert api, f"no Prefect API server among flockfl's children: {[k.cmdline() for k in kids]}"
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             gone, alive = psutil.wait_procs(kids, timeout=20)
@@ -236,7 +236,7 @@ def test_flock_run_reports_its_fixed_cost_and_pickled_models_load(project):
 
 
 def test_an_exported_prefect_api_url_is_used(project, tmp_path):
-    """With PREFECT_API_URL set or in the active profile (flock server, Prefect Cloud) flock
+    """With PREFECT_API_URL set or in the active profile (flockfl server, Prefect Cloud) flockfl
     starts no server of its own."""
     from flows import apiserver
 

@@ -60,7 +60,7 @@ def overridden_stages(cls: type[Algorithm]) -> list[str]:
 
 
 def describe(name: str) -> dict:
-    """What ``flock list ALGORITHM`` shows: the paper, the hyper-parameters (with where each
+    """What ``flockfl list ALGORITHM`` shows: the paper, the hyper-parameters (with where each
     default comes from: ``source`` is one of :data:`~flockfl.algorithms.hyper.SOURCES` or ""
     where none is recorded, ``source_note`` which table, script or value) and the stages."""
     cls = ALGORITHMS[name]

@@ -4,9 +4,9 @@ The criterion is :mod:`flockfl.clustering.choose` (mean silhouette on the method
 with Kaufman & Rousseeuw's one-cluster test). Every decision is kept in the run state,
 ``state.meta['auto_choices']`` (a list of :meth:`Choice.record` dicts: key, round, k, value,
 score, margin and the criterion's curve over the candidates), so a resumed run has it and never
-re-decides a past round; ``flock run --json`` prints the latest decision per key and a compact
+re-decides a past round; ``flockfl run --json`` prints the latest decision per key and a compact
 history, MLflow gets them as ``auto_choices.json`` and the curve as ``plots/auto_choice.png``,
-and ``flock report`` draws the curves of every run beside each other.
+and ``flockfl report`` draws the curves of every run beside each other.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def recorded(state: ServerState, choice: Choice, key: str, algorithm: str, round
 
 
 def summary(meta: dict) -> dict:
-    """What ``flock run --json`` prints under ``auto``: the number of decisions, the latest one
+    """What ``flockfl run --json`` prints under ``auto``: the number of decisions, the latest one
     per key (curve included) and every decision without its curve."""
     recs = meta.get(META_KEY) or []
     latest: dict[str, dict] = {}

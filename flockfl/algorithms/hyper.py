@@ -9,11 +9,11 @@ constraints declared beside the code that uses them, checked once at the boundar
 The config checks ``algorithm.*`` against the chosen algorithm's declarations when it loads
 (:func:`resolve`): a missing key gets its default, a bad value is a one-line error naming the
 key and the allowed range, and a key the algorithm does not take is a one-line error that
-names the algorithms that do take it. ``flock list ALGORITHM`` and README's algorithm table
+names the algorithms that do take it. ``flockfl list ALGORITHM`` and README's algorithm table
 are generated from the same declarations.
 
 Every default says where it comes from (``source``, with an optional short ``note``): a registry
-name is the method as published, so a reader of ``flock list ifca`` can tell the paper's
+name is the method as published, so a reader of ``flockfl list ifca`` can tell the paper's
 defaults from the library's choices (:data:`SOURCES`). A knob that the data must set (PACFL's
 and FLIS's β) has ``source="data"`` and no default: the algorithm's ``check_config`` stops the
 run with one line naming the key and the published values (:func:`missing`), instead of
@@ -205,5 +205,5 @@ def resolve(cls: type, given: dict[str, Any], algorithms: dict[str, type]) -> di
                 raise ValueError(f"algorithm.{key}: {cls.name} does not take {key!r}; it is a hyper-parameter of "
                                  f"{', '.join(others)} (set algorithm.name to one of them, or drop the key)")
             raise ValueError(f"algorithm.{key}: unknown key for {cls.name}; it takes "
-                             f"{', '.join(sorted(decl)) or 'no hyper-parameters'} (flock list {cls.name})")
+                             f"{', '.join(sorted(decl)) or 'no hyper-parameters'} (flockfl list {cls.name})")
     return {name: (h.check(given[name], cls.name) if name in given else h.default) for name, h in decl.items()}

@@ -48,7 +48,7 @@ class Choice:
     chosen: Optional["Choice"] = None  # where a method overrides the criterion (FLIS-DC, unconfirmed): its own choice
 
     def record(self, key: str, algorithm: str, round: int, **extra) -> dict:
-        """A JSON-able record of the decision (what ``flock run --json``, MLflow and ``flock
+        """A JSON-able record of the decision (what ``flockfl run --json``, MLflow and ``flockfl
         report`` show)."""
         return {"key": key, "algorithm": algorithm, "round": int(round), "criterion": CRITERION, "floor": FLOOR,
                 "nested": NESTED,

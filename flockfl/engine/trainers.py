@@ -348,7 +348,7 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
 
 def configure_threads(threads: int = 0) -> int:
     """Set torch's intra-op threads deliberately (0 = the cores we may use, at most 4, and at
-    most ``FLOCKFL_MAX_THREADS`` when set: ``flock sweep --parallel N`` shares the cores), and
+    most ``FLOCKFL_MAX_THREADS`` when set: ``flockfl sweep --parallel N`` shares the cores), and
     keep freed tensor memory for reuse (:func:`keep_freed_memory`).
 
     Measured (benchmarks/speed_table.py, 2-core CPU shared with other sessions): with another
