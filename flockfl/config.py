@@ -26,30 +26,43 @@ class _Section(BaseModel):
 
 
 class DatasetConfig(_Section):
-    name: Literal["digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix", "synthetic_fedprox"] = "digits"
-    path: Optional[str] = None  # npz file, or a directory holding IDX files
+    name: Literal["digits", "fashion_mnist", "mnist", "npz", "synthetic_linreg", "mix", "synthetic_fedprox"] = Field(
+        "digits", description="the dataset (docs/data.md): digits (bundled, offline), fashion_mnist / mnist (IDX "
+                              "files), npz (your own arrays), synthetic_linreg, synthetic_fedprox or mix")
+    path: Optional[str] = Field(None, description=(  # npz file, or a directory holding IDX files
+        "npz: the .npz file (required); fashion_mnist / mnist: the folder searched first for the IDX files; "
+        "mix: the folder holding one <source>/ folder per IDX source"))
     # mix: every source is one ground-truth group with its own 10 labels (offset 10 per source);
     # None = fashion_mnist and digits (brought to 28×28), plus mnist when its files are present
     sources: Optional[list[Literal["fashion_mnist", "mnist", "digits"]]] = None
     test_fraction: float = Field(0.2, gt=0, lt=1)  # digits only: held-out share of the bundled set
     # synthetic_linreg (IFCA mixture of linear regressions, spec §4.1)
-    clusters: int = Field(2, ge=1)
-    dim: int = Field(20, ge=1)
-    samples_per_client: int = Field(100, ge=1)
-    test_samples_per_client: int = Field(100, ge=1)
-    noise: float = Field(0.1, ge=0)
-    separation: float = Field(1.0, gt=0)
+    clusters: int = Field(2, ge=1, description="synthetic_linreg: the number k of ground-truth linear models θ*_j "
+                                               "(clients in contiguous equal blocks)")
+    dim: int = Field(20, ge=1, description="synthetic_linreg: the feature dimension d")
+    samples_per_client: int = Field(100, ge=1, description="synthetic_linreg: training samples per client")
+    test_samples_per_client: int = Field(100, ge=1, description="synthetic_linreg: test samples per client")
+    noise: float = Field(0.1, ge=0, description="synthetic_linreg: the label noise σ in y = ⟨x, θ*⟩ + σ·ε")
+    separation: float = Field(1.0, gt=0, description="synthetic_linreg: the scale R of the models, θ*_j = R·b_j with "
+                                                     "b_j ~ Bernoulli(0.5)^d")
     # synthetic_fedprox (FedProx's Synthetic(α, β), flexcfl.md §7): per-device models W_k ~ N(u_k, 1),
     # u_k ~ N(0, α); features x ~ N(v_k, Σ), v_k ~ N(B_k, 1), B_k ~ N(0, β); natural clients
-    syn_alpha: float = Field(1.0, ge=0)
-    syn_beta: float = Field(1.0, ge=0)
+    syn_alpha: float = Field(1.0, ge=0, description="synthetic_fedprox: α, how far the devices' models differ "
+                                                    "(u_k ~ N(0, α); W_k, b_k ~ N(u_k, 1))")
+    syn_beta: float = Field(1.0, ge=0, description="synthetic_fedprox: β, how far the devices' features differ "
+                                                   "(B_k ~ N(0, β); v_k ~ N(B_k, 1); x ~ N(v_k, Σ))")
     # input standardisation, applied where the data is loaded (every split, every client): none (NIID-Bench and
     # IFCA feed MNIST/Fashion-MNIST pixels in [0, 1]) or per_channel, x ← (x − mean_c)/std_c over the image
     # channels, with the training set's own per-channel statistics, or normalize_mean / normalize_std when given
     # (the thesis's code uses MNIST's (0.1307,), (0.3081,) for Fashion-MNIST too)
-    normalize: Literal["none", "per_channel"] = "none"
-    normalize_mean: Optional[list[float]] = None
-    normalize_std: Optional[list[float]] = None
+    normalize: Literal["none", "per_channel"] = Field(
+        "none", description="input standardisation as the data loads: none (images as loaded, pixels in [0, 1]) or "
+                            "per_channel, x ← (x − mean_c)/std_c with the training set's statistics or the two keys below")
+    normalize_mean: Optional[list[float]] = Field(
+        None, description="per_channel: each image channel's mean (e.g. [0.1307]); null = the training set's own")
+    normalize_std: Optional[list[float]] = Field(
+        None, description="per_channel: each image channel's standard deviation (e.g. [0.3081]); null = the training "
+                          "set's own")
 
 
 # generator choices and the schemes they shape: ``partition_key`` records each (defaults resolved) for those
@@ -70,22 +83,33 @@ MODEL_REVISIONS = {"lenet5": "table_3_17"}
 class PartitionConfig(_Section):
     name: Optional[str] = None  # a partition named in params.yaml: its settings are inherited
     scheme: Literal["iid", "dirichlet", "shards", "shards_pct", "rotated", "label_swap", "natural",
-                    "sc_niid", "sc_dir", "mix", "pfllib_pat"] = "iid"
+                    "sc_niid", "sc_dir", "mix", "pfllib_pat"] = Field(
+        "iid", description="how the data is split among the clients (the scheme table of docs/data.md)")
     # None: 10, or with scheme=natural as many clients as the data holds
-    num_clients: Optional[int] = Field(None, ge=1)
-    alpha: float = Field(0.5, gt=0)
-    k: int = Field(4, ge=1)
-    classes_per_client: int = Field(2, ge=1)
-    label_swap_mode: Literal["pairs", "random_perm"] = "pairs"
+    num_clients: Optional[int] = Field(None, ge=1, description="the number of clients; null = 10, or with "
+                                                               "scheme=natural as many clients as the data holds")
+    alpha: float = Field(0.5, gt=0, description="dirichlet, sc_dir: the concentration α of Dir(α) (smaller: more "
+                                                "label skew)")
+    k: int = Field(4, ge=1, description="rotated, label_swap: the number of ground-truth groups")
+    classes_per_client: int = Field(2, ge=1, description="shards, sc_niid: label-sorted shards per client; "
+                                                         "pfllib_pat: classes per client (s)")
+    label_swap_mode: Literal["pairs", "random_perm"] = Field(
+        "pairs", description="label_swap: group j > 0 swaps labels 2(j−1) and 2(j−1)+1 (mod C), or has a random "
+                             "label permutation; group 0 keeps the labels")
     # C-NIID(ρ%) / SC-NIID(ρ%): the share of labels (in percent) each client holds (thesis §3.3)
-    rho: Optional[float] = Field(None, gt=0, le=100)
+    rho: Optional[float] = Field(None, gt=0, le=100, description=(
+        "shards_pct, sc_niid: C-NIID(ρ%), the share of the labels (percent) each client holds (thesis §3.3); "
+        "null = 20 with shards_pct, shards with sc_niid"))
     # super clusters of classes (SC-NIID / SC-Dir, thesis §5.2.1): class-subspace signatures with
     # sc_p left singular vectors, Eq. 5.1 angles, hierarchical clustering into sc_clusters groups
     # (or cut at sc_threshold degrees when that is set)
-    sc_p: int = Field(3, ge=1)
-    sc_clusters: int = Field(2, ge=1)
-    sc_threshold: Optional[float] = Field(None, gt=0)
-    sc_linkage: Literal["weighted", "average", "complete", "single"] = "weighted"
+    sc_p: int = Field(3, ge=1, description="sc_niid, sc_dir: left singular vectors per class, the class-subspace "
+                                           "signatures of the super clusters (thesis §5.2.1)")
+    sc_clusters: int = Field(2, ge=1, description="sc_niid, sc_dir: the number of super clusters of classes")
+    sc_threshold: Optional[float] = Field(None, gt=0, description="sc_niid, sc_dir: cut the clustering at this "
+                                                                  "angle (degrees) instead; null = sc_clusters groups")
+    sc_linkage: Literal["weighted", "average", "complete", "single"] = Field(
+        "weighted", description="sc_niid, sc_dir: the linkage of the hierarchical clustering of the classes")
     # iid, rotated, label_swap: equal training sets, or DIFCA's uneven sizes (randint(1, 2N/m) rescaled)
     client_sizes: Literal["equal", "uneven"] = "equal"
     # samples per client: mix (default: as many as fit evenly), rotated with rotated_mode=ifca (IFCA's n; default:
@@ -106,7 +130,9 @@ class PartitionConfig(_Section):
     # proportions) or local (PFLlib: the dataset's train and test sets merged into one pool before the scheme
     # partitions it, and each client's own samples split at random, local_test_fraction of them to its test set)
     test_split: Literal["global", "local"] = "global"
-    local_test_fraction: float = Field(0.25, gt=0, lt=1)  # test_split=local: PFLlib's 1 − train_ratio (0.75)
+    local_test_fraction: float = Field(  # test_split=local: PFLlib's 1 − train_ratio (0.75)
+        0.25, gt=0, lt=1, description="test_split=local: the share of each client's own samples that goes to its "
+                                      "test set (PFLlib's 1 − train_ratio)")
     # clients that never train and join after federation (newcomers); drawn from (seed, "unseen")
     unseen_fraction: float = Field(0.0, ge=0, lt=1)
     # training samples (stratified) withheld from every client as the server's own data (FLIS);
@@ -117,8 +143,9 @@ class PartitionConfig(_Section):
     # ranked by an expert's loss (the rest random); None = off
     difficulty_fraction: Optional[float] = Field(None, ge=0, le=1)
     difficulty_model: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "lenet5_bn", "cnn_bn",
-                              "pfllib_cnn", "pfl_cnn"] = "mclr"  # the expert θ_E
-    difficulty_epochs: int = Field(10, ge=1)  # its central training epochs
+                              "pfllib_cnn", "pfl_cnn"] = Field(  # the expert θ_E
+        "mclr", description="difficulty_fraction: the expert θ_E, a model trained centrally whose loss ranks the samples")
+    difficulty_epochs: int = Field(10, ge=1, description="difficulty_fraction: the expert's central training epochs")
 
     def resolved_min_size(self) -> int:
         """``min_size``, or the Dirichlet rule's own when unset (NIID-Bench 10, flockfl 2)."""
@@ -142,8 +169,10 @@ class ModelConfig(_Section):
     # CNN (FedAvgCNN: conv 32, conv 64, FC 512, out; 582,026 parameters on 28×28); pfl_cnn: pfl-research's
     # simple_cnn without dropout (conv 32, conv 64, pool, FC 128, out; benchmarks/pfl_compare.py)
     name: Literal["mclr", "mlp", "lenet5", "lenet5_padded", "linear", "lenet5_bn", "cnn_bn", "pfllib_cnn",
-                  "pfl_cnn"] = "mlp"
-    hidden: int = Field(200, ge=1)
+                  "pfl_cnn"] = Field("mlp", description="the network (the models table of docs/config.md); "
+                                                        "linear is for regression only")
+    hidden: int = Field(200, ge=1, description="mlp: hidden units (IFCA's MNIST model is 784-200-10); the other "
+                                               "models ignore it")
 
 
 REGRESSION_MODELS = ("linear",)
@@ -172,13 +201,15 @@ class AlgorithmConfig(BaseModel):
 
 
 class TrainConfig(_Section):
-    rounds: int = Field(30, ge=1)
-    clients_per_round: int = Field(10, ge=1)
-    local_epochs: int = Field(1, ge=1)
+    rounds: int = Field(30, ge=1, description="communication rounds")
+    clients_per_round: int = Field(10, ge=1, description="clients selected each round (the cohort); at most "
+                                                         "partition.num_clients")
+    local_epochs: int = Field(1, ge=1, description="local epochs E of every selected client per round")
     local_steps: Optional[int] = Field(None, ge=1)  # fixed number of local steps (overrides epochs)
-    batch_size: int = Field(10, ge=1)  # 0 is not allowed; use full_batch
-    full_batch: bool = False
-    lr: float = Field(0.05, gt=0)
+    batch_size: int = Field(10, ge=1, description="local mini-batch size (0 is not allowed; use full_batch)")
+    full_batch: bool = Field(False, description="every local step uses the client's whole training set (one step "
+                                                "per epoch: gradient descent)")
+    lr: float = Field(0.05, gt=0, description="the local SGD learning rate η₀")
     # local heavy-ball momentum ρ (buf ← ρ·buf + g, reset every round) for every local training
     # (the thesis's curriculum runs use 0.9, Sub-FedAvg 0.5); FedNova has its own algorithm.momentum
     momentum: float = Field(0.0, ge=0, lt=1)
@@ -193,24 +224,28 @@ class TrainConfig(_Section):
     lr_b: float = Field(0.75, ge=0)  # inverse: b (the thesis: 0.75)
     lr_gamma: float = Field(0.99, gt=0, le=1)  # step: the factor γ per decay
     lr_step_rounds: int = Field(1, ge=1)  # step: rounds between decays
-    engine: Literal["auto", "vectorized", "reference"] = "auto"
+    engine: Literal["auto", "vectorized", "reference"] = Field(
+        "auto", description="the trainer (docs/engine.md): vectorized (the cohort at once), reference (a per-client "
+                            "loop) or auto (the first cohort timed on both, the faster kept)")
     shard_size: int = Field(256, ge=1)  # clients per vectorised training task
     parallel_shards: int = Field(1, ge=1)  # training tasks run at once (threads; 1 suits a small CPU)
-    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="where training runs: cpu, cuda, or auto "
+                                                                     "(CUDA when available)")
     # on CUDA: false (default) = deterministic kernels, TF32 off, so a resume on a GPU is
     # bit-identical; true = TF32 and non-deterministic kernels (faster, gives up bit-identity)
     fast_math: bool = False
     # clients per chunk when evaluating or fine-tuning every client (bounds memory at scale)
     eval_chunk: int = Field(1024, ge=1)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = number of cores (max 4)
-    eval_every: int = Field(1, ge=1)
+    eval_every: int = Field(1, ge=1, description="evaluate every this many rounds, and always after the last")
     max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
     # local epochs of the "after local training" evaluation convention (accuracy_finetuned, the
     # thesis's metric) and of newcomers' fine-tuning; None = local_epochs
     finetune_epochs: Optional[int] = Field(None, ge=0)
     # when accuracy_finetuned is computed: at the last round (final), at every evaluation, or never
     eval_finetune: Literal["final", "every", "off"] = "final"
-    checkpoints_to_keep: int = Field(3, ge=2)
+    checkpoints_to_keep: int = Field(3, ge=2, description="checkpoints kept in the run directory (the newest; "
+                                                          "older ones are pruned)")
     # per-client local work: constant (every client E epochs) or uniform_random (E_i drawn from
     # 1..E per client and round, from the (seed, round, client, "local_work") stream)
     local_work: Literal["constant", "uniform_random"] = "constant"
@@ -221,14 +256,18 @@ class TrainConfig(_Section):
 class SystemConfig(_Section):
     """Simulated client speeds (see flockfl/system.py): lognormal around the medians, or per client."""
 
-    compute_median: float = Field(20.0, gt=0)  # batches per second
+    compute_median: float = Field(20.0, gt=0, description="the clients' median compute speed CP_i, batches per "
+                                                          "second (lognormal around it)")
     compute_sigma: float = Field(0.5, ge=0)  # lognormal spread (0 = identical clients)
     batch_overhead: float = Field(0.0, ge=0)  # seconds per batch (FedEff's γ_i)
-    bandwidth_median: float = Field(5.0, gt=0)  # MB/s, both directions
-    bandwidth_sigma: float = Field(0.5, ge=0)
-    client_compute: Optional[list[float]] = None  # per-client overrides (one value per client)
-    client_down: Optional[list[float]] = None
-    client_up: Optional[list[float]] = None
+    bandwidth_median: float = Field(5.0, gt=0, description="the clients' median bandwidth, MB/s, both directions")
+    bandwidth_sigma: float = Field(0.5, ge=0, description="lognormal spread of the bandwidths (0 = identical clients)")
+    client_compute: Optional[list[float]] = Field(  # per-client overrides (one value per client)
+        None, description="per-client compute speeds (batches/s), one value per client, instead of the draw")
+    client_down: Optional[list[float]] = Field(
+        None, description="per-client download bandwidths (MB/s), one value per client, instead of the draw")
+    client_up: Optional[list[float]] = Field(
+        None, description="per-client upload bandwidths (MB/s), one value per client, instead of the draw")
 
 
 class ShiftConfig(_Section):
@@ -236,13 +275,15 @@ class ShiftConfig(_Section):
     after client selection and before any clustering step; the union of the clients' data never
     changes. Deterministic given (seed, round), and part of the state."""
 
-    kind: Literal["none", "swap_all", "swap_part", "incremental"] = "none"
+    kind: Literal["none", "swap_all", "swap_part", "incremental"] = Field(
+        "none", description="none; swap_all (paired clients swap all their data), swap_part (each of a pair gives the "
+                            "other a label it lacks) or incremental (each client's data released step by step)")
     probability: float = Field(0.05, ge=0, le=1)  # swap_*: each pair of clients swaps with this probability
     start_round: int = Field(0, ge=0)  # the first round (0-based) a shift may happen
     # incremental: each client's training data is released step by step: `release` more of it
     # every `every` rounds from start_round (0.25, 50: 1/4, 1/2, 3/4, all at rounds 0, 50, 100, 150)
     release: float = Field(0.25, gt=0, le=1)
-    every: int = Field(50, ge=1)
+    every: int = Field(50, ge=1, description="incremental: rounds between two releases")
     # paper_intent, or code_faithful: the official code's quirks (incremental sizes computed from the
     # current size, so released data shrinks; swap_part stops the round at a pair with no exclusive label)
     mode: Literal["paper_intent", "code_faithful"] = "paper_intent"
@@ -310,19 +351,26 @@ class EvalConfig(_Section):
     labels, pays for a convention nobody reads).
     """
 
-    test_set: Literal["proportional", "label_union"] = "proportional"
-    average: Literal["samples", "clients"] = "samples"
-    report: Literal["final", "best", "best_after_all_seen", "mean_last"] = "final"
-    last_k: int = Field(10, ge=1)
-    conventions: Literal["all", "configured"] = "all"
+    test_set: Literal["proportional", "label_union"] = Field(
+        "proportional", description="each client's test samples: a disjoint slice of the test set in its training "
+                                    "class proportions, or every test sample of every label it holds")
+    average: Literal["samples", "clients"] = Field(
+        "samples", description="the mean over clients, weighted by test samples or unweighted")
+    report: Literal["final", "best", "best_after_all_seen", "mean_last"] = Field(
+        "final", description="which evaluation metrics.accuracy is: the final one, the best, the best once every "
+                             "client has trained, or the mean of the last last_k")
+    last_k: int = Field(10, ge=1, description="report=mean_last: the number of latest evaluations averaged")
+    conventions: Literal["all", "configured"] = Field(
+        "all", description="all: both test sets measured every evaluation; configured: label_union only when it is "
+                           "test_set")
 
 
 class TrackingConfig(_Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="log the run to MLflow")
     uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
     experiment: Optional[str] = None  # MLflow experiment name; default: the experiment name
-    register_model: bool = True
-    plots: bool = True
+    register_model: bool = Field(True, description="register the final models in the MLflow model registry")
+    plots: bool = Field(True, description="draw the run's plots and log them as artifacts")
     # how mlflow.pytorch saves the final models: pt2 (torch.export, portable, loads as a
     # GraphModule) or pickle (loads as the flockfl model class; ~3 s less per process)
     model_format: Literal["pt2", "pickle"] = "pt2"
@@ -331,10 +379,11 @@ class TrackingConfig(_Section):
 class ExecutorConfig(_Section):
     """Where training shards run: in this process (local) or on a Dask cluster (dask)."""
 
-    kind: Literal["local", "dask"] = "local"
+    kind: Literal["local", "dask"] = Field("local", description="where training shards run: in this process "
+                                                               "(local) or on a Dask cluster (dask)")
     address: Optional[str] = None  # an existing Dask scheduler (tcp://host:8786); None = start a LocalCluster
     workers: int = Field(2, ge=1)  # LocalCluster workers (processes)
-    threads_per_worker: int = Field(1, ge=1)
+    threads_per_worker: int = Field(1, ge=1, description="threads of each LocalCluster worker")
     # where workers read partitions by content hash; None = the flow's partitions directory
     data_root: Optional[str] = None
     connect_timeout_s: float = Field(10.0, gt=0)  # reaching the scheduler at executor.address
@@ -351,8 +400,10 @@ class ExecutorConfig(_Section):
 
 
 class ExperimentConfig(_Section):
-    name: str = "experiment"
-    seed: int = Field(0, ge=0)
+    name: str = Field("experiment", description="the experiment's name: the MLflow experiment and the default "
+                                                "run directory runs/<name>-<time>")
+    seed: int = Field(0, ge=0, description="the seed every random stream derives from (data, partition, models, "
+                                           "selection, batches)")
     dataset: DatasetConfig = DatasetConfig()
     partition: PartitionConfig = PartitionConfig()
     model: ModelConfig = ModelConfig()

@@ -1,9 +1,14 @@
 """The generated tables of the reference docs, and the command that rewrites them.
 
-Two blocks in ``docs/`` are generated, never written by hand:
+These blocks in ``docs/`` are generated, never written by hand:
 
 - ``docs/config.md``, between ``<!-- config-table:start -->`` and ``<!-- config-table:end -->``:
   every config key, from the pydantic schema in :mod:`flockfl.config` (:func:`config_table`);
+  between ``<!-- models:start -->`` / ``<!-- datasets:start -->`` / ``<!-- schemes:start -->``
+  and their ``:end`` markers: the built-in models (with their parameter counts on common input
+  shapes), datasets and partition schemes, from the registries ``models.MODELS``,
+  ``flockfl.data.datasets.LOADERS`` and ``flockfl.data.schemes.SCHEMES`` (:func:`model_table`,
+  :func:`dataset_table`, :func:`scheme_table`);
 - ``docs/algorithms.md``, between ``<!-- algorithms:start -->`` and ``<!-- algorithms:end -->``:
   every algorithm, from the algorithms' own declarations (:func:`algorithm_table`), and between
   ``<!-- default-sources:start -->`` and ``<!-- default-sources:end -->``: where each seed
@@ -13,8 +18,8 @@ Two blocks in ``docs/`` are generated, never written by hand:
 ``python -m flockfl.reference`` rewrites both in place (``--check`` only reports stale blocks);
 ``tests/test_docs.py`` and ``tests/test_hyper.py`` fail while a block is stale.
 
-This module imports only :mod:`flockfl.config` and :mod:`flockfl.algorithms`, and only inside
-the functions that need them.
+This module imports :mod:`flockfl.config`, :mod:`flockfl.algorithms` and the registries (and
+torch, for the parameter counts) only inside the functions that need them.
 """
 
 from __future__ import annotations
@@ -174,6 +179,110 @@ def config_table() -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------- the registries
+
+# the input shapes of the model table: (shape, column header)
+MODEL_SHAPES: list[tuple[tuple[int, ...], str]] = [
+    ((1, 28, 28), "1×28×28 (MNIST, Fashion-MNIST)"),
+    ((1, 8, 8), "1×8×8 (digits)"),
+    ((3, 32, 32), "3×32×32"),
+    ((60,), "60 features (synthetic_fedprox)"),
+]
+_BUILTIN = ("models", "flockfl")  # the packages whose registry entries are built in (not plugins)
+
+
+def builtin(registry: dict[str, Any]) -> dict[str, Any]:
+    """A registry's built-in entries, in registration order: those defined in flockfl's own
+    packages. Plugins registered beside them are left out, so the docs do not depend on what is
+    installed where they are generated."""
+    return {k: v for k, v in registry.items() if getattr(v, "__module__", "").split(".")[0] in _BUILTIN}
+
+
+def _first_sentence(doc: str | None) -> str:
+    """A docstring's first sentence, one line, reST ``code`` as markdown `code`."""
+    text = " ".join((doc or "").strip().split("\n\n")[0].split()).replace("``", "`")
+    found = re.match(r"(.+?\.)(?=\s+[A-Z(]|$)", text)
+    return found.group(1) if found else text
+
+
+def _count(x: int) -> str:
+    return f"{x:,}"
+
+
+def model_table() -> str:
+    """docs/config.md's table of ``model.name``: every built-in model of ``models.MODELS``, its
+    docstring's first sentence and its parameter count (every tensor it sends and aggregates, BN
+    statistics included) on the input shapes of :data:`MODEL_SHAPES`, with 10 outputs (1 for the
+    regression models), or – where the model does not take that shape."""
+    import torch
+
+    from flockfl.config import REGRESSION_MODELS
+    from models import MODELS
+
+    lines = ["| `model.name` | what it is | " + " | ".join(h for _, h in MODEL_SHAPES) + " |",
+             "|---|---|" + "---:|" * len(MODEL_SHAPES)]
+    for name, build in builtin(MODELS).items():
+        outputs = 1 if name in REGRESSION_MODELS else 10
+        counts = []
+        for shape, _ in MODEL_SHAPES:
+            try:
+                model = build(shape, outputs, 200).eval()
+                with torch.no_grad():
+                    model(torch.zeros(2, *shape))
+                counts.append(_count(sum(p.numel() for p in model.parameters())))
+            except (ValueError, RuntimeError, TypeError):
+                counts.append("–")
+        lines.append(f"| `{name}` | {_cell(_first_sentence(build.__doc__))} | " + " | ".join(counts) + " |")
+    return "\n".join(lines)
+
+
+def _dataset_summaries() -> dict[str, str]:
+    """``{dataset: summary}`` from the bullets of flockfl/data/datasets.py's module docstring
+    (``- ``name`` / ``other``: summary;``)."""
+    from flockfl.data import datasets
+
+    out: dict[str, str] = {}
+    for bullet in re.findall(r"^- (.+?)(?=^- |^\s*$)", datasets.__doc__ or "", re.M | re.S):
+        names, _, text = " ".join(bullet.split()).partition(": ")
+        for name in re.findall(r"``(\w+)``", names):
+            out[name] = text.rstrip(";.") .replace("``", "`")
+    return out
+
+
+def dataset_table() -> str:
+    """docs/config.md's table of ``dataset.name``: every built-in loader of
+    ``flockfl.data.datasets.LOADERS``, its summary (the module docstring's bullet, else the
+    loader's docstring) and the partition schemes it takes."""
+    from flockfl.data.datasets import LOADERS, NATURAL_ONLY
+
+    summaries = _dataset_summaries()
+    lines = ["| `dataset.name` | what it is | schemes |", "|---|---|---|"]
+    for name, load in builtin(LOADERS).items():
+        text = summaries.get(name) or _first_sentence(load.__doc__)
+        schemes = "`natural` only (each device is a client)" if name in NATURAL_ONLY else "any"
+        lines.append(f"| `{name}` | {_cell(text)} | {schemes} |")
+    return "\n".join(lines)
+
+
+def scheme_summaries(root: Path = ROOT) -> dict[str, str]:
+    """``{scheme: what each client gets}`` from the scheme table of docs/data.md."""
+    text = (root / "docs" / "data.md").read_text()
+    return {m[0]: m[1].strip() for m in re.findall(r"^\| `(\w+)` \|([^|]*)\|", text, re.M)}
+
+
+def scheme_table() -> str:
+    """docs/config.md's table of ``partition.scheme``: every built-in scheme of
+    ``flockfl.data.schemes.SCHEMES`` with what each client gets (its row in docs/data.md's scheme
+    table, else its function's docstring)."""
+    from flockfl.data.schemes import SCHEMES
+
+    rows = scheme_summaries()
+    lines = ["| `partition.scheme` | what each client gets |", "|---|---|"]
+    for name, make in builtin(SCHEMES).items():
+        lines.append(f"| `{name}` | {_cell(rows.get(name) or _first_sentence(make.__doc__))} |")
+    return "\n".join(lines)
+
+
 def describe_stage(name: str) -> dict:
     """What ``flockfl list curriculum|pruning|shift`` shows: the stage's paper and every key of its
     config section with its default, allowed values and meaning."""
@@ -208,6 +317,9 @@ def sources_table() -> str:
 # (file, marker, what writes the block); a file may hold several blocks
 BLOCKS: list[tuple[str, str, Callable[[], str]]] = [
     ("docs/config.md", "config-table", config_table),
+    ("docs/config.md", "models", model_table),
+    ("docs/config.md", "datasets", dataset_table),
+    ("docs/config.md", "schemes", scheme_table),
     ("docs/algorithms.md", "algorithms", algorithm_table),
     ("docs/algorithms.md", "default-sources", sources_table),
 ]

@@ -1,5 +1,6 @@
-"""The README and docs/: the generated config table is in step with the schema, the README stays
-short, its quick start stays as scripts outside the repo use it, and every relative link resolves."""
+"""The README and docs/: the generated tables of docs/config.md are in step with the schema and the
+registries, every config key, model, dataset and scheme is documented, the README stays short,
+its quick start stays as scripts outside the repo use it, and every relative link resolves."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from flockfl.reference import config_table, read_block
+from pydantic import BaseModel
+
+from flockfl.reference import BLOCKS, builtin, config_table, read_block
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+CONFIG_MD = ROOT / "docs" / "config.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = ("config", "data", "algorithms", "engine", "operations", "benchmarks")
 
@@ -41,6 +45,76 @@ def test_config_table_is_generated_from_the_schema():
     block = read_block((ROOT / "docs" / "config.md").read_text(), "config-table")
     assert block is not None, "docs/config.md lost its <!-- config-table:start/end --> markers"
     assert block == config_table(), "docs/config.md's config table is stale: run `python -m flockfl.reference`"
+
+
+@pytest.mark.parametrize("marker,make", [(m, f) for rel, m, f in BLOCKS if rel == "docs/config.md"],
+                         ids=lambda v: v if isinstance(v, str) else "")
+def test_config_md_blocks_are_generated(marker, make):
+    block = read_block(CONFIG_MD.read_text(), marker)
+    assert block is not None, f"docs/config.md lost its <!-- {marker}:start/end --> markers"
+    assert block == make(), f"docs/config.md's {marker} block is stale: run `python -m flockfl.reference`"
+
+
+def schema_keys(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of the schema, ``section.key``, read from the pydantic classes themselves (not
+    from the generator); a section open to extra keys (``algorithm``) adds ``section.<key>``."""
+    keys = []
+    for key, field in cls.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += schema_keys(ann, f"{prefix}{key}.")
+            if ann.model_config.get("extra") == "allow":
+                keys.append(f"{prefix}{key}.<key>")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def test_every_config_key_is_in_the_doc_with_a_default_and_a_meaning():
+    from flockfl.config import ExperimentConfig
+
+    block = read_block(CONFIG_MD.read_text(), "config-table") or ""
+    rows = {}
+    for line in block.splitlines()[2:]:
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]]
+        rows[cells[0].strip("`")] = cells
+    keys = schema_keys(ExperimentConfig)
+    assert "eval.report" in keys and "algorithm.<key>" in keys
+    missing = [k for k in keys if k not in rows]
+    assert not missing, f"docs/config.md's key table lacks {missing}: run `python -m flockfl.reference`"
+    blank = [k for k in keys if not (rows[k][1] and rows[k][2] and rows[k][3])]
+    assert not blank, (f"docs/config.md: {blank} have no type, default or meaning; give each field a "
+                       "description= in flockfl/config.py")
+    assert not set(rows) - set(keys), f"docs/config.md documents keys the schema lacks: {set(rows) - set(keys)}"
+
+
+def test_every_section_is_named_in_the_prose():
+    from flockfl.config import ExperimentConfig
+
+    text = CONFIG_MD.read_text()
+    intro = text.split("\n\n")[1]
+    for section, field in ExperimentConfig.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            assert f"`{section}`" in intro, f"docs/config.md's first paragraph does not name the {section} section"
+            assert f"**`{section}`**" in text, f"docs/config.md's list of sections lacks {section}"
+
+
+def test_every_builtin_model_dataset_and_scheme_is_documented():
+    from flockfl.data.datasets import LOADERS
+    from flockfl.data.schemes import SCHEMES
+    from models import MODELS
+
+    config = CONFIG_MD.read_text()
+    data = (ROOT / "docs" / "data.md").read_text()
+    for marker, registry in (("models", MODELS), ("datasets", LOADERS), ("schemes", SCHEMES)):
+        names = re.findall(r"^\| `(\w+)` \|", read_block(config, marker) or "", re.M)
+        assert names == list(builtin(registry)), f"docs/config.md's {marker} table is stale: run `python -m flockfl.reference`"
+    datasets = data.split("## Datasets", 1)[1].split("\n## ", 1)[0]
+    bullets = {n for b in re.findall(r"^- \*\*(.+?)\*\*", datasets, re.M) for n in b.split(" / ")}
+    assert bullets == set(builtin(LOADERS)), f"docs/data.md's dataset list differs from the loaders: {bullets ^ set(builtin(LOADERS))}"
+    table = data.split("## Partition schemes", 1)[1].split("\n#", 1)[0]
+    rows = set(re.findall(r"^\| `(\w+)` \|", table, re.M))
+    assert rows == set(builtin(SCHEMES)), f"docs/data.md's scheme table differs from the schemes: {rows ^ set(builtin(SCHEMES))}"
 
 
 def test_readme_is_short():
