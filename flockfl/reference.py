@@ -192,9 +192,13 @@ _BUILTIN = ("models", "flockfl")  # the packages whose registry entries are buil
 
 
 def builtin(registry: dict[str, Any]) -> dict[str, Any]:
-    """A registry's built-in entries, in registration order: those defined in flockfl's own
-    packages. Plugins registered beside them are left out, so the docs do not depend on what is
-    installed where they are generated."""
+    """A registry's built-in entries, in registration order: its ``builtins()`` names where it
+    has them (a :class:`flockfl.plugins.Registry`, read without loading any plugin), else the
+    entries defined in flockfl's own packages. Plugins registered beside them are left out, so
+    the docs do not depend on what is installed where they are generated."""
+    names = getattr(registry, "builtins", None)
+    if callable(names):
+        return {k: dict.__getitem__(registry, k) for k in names()}
     return {k: v for k, v in registry.items() if getattr(v, "__module__", "").split(".")[0] in _BUILTIN}
 
 
