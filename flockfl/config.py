@@ -13,10 +13,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
-from flockfl.errors import ConfigError
+from flockfl.errors import ConfigError, did_you_mean
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 
@@ -541,10 +542,15 @@ def _one_line(err: ValidationError) -> str:
     if e["type"] == "extra_forbidden":
         section = ".".join(str(p) for p in e["loc"][:-1])
         allowed = _allowed_keys(section)
-        return f"config error: unknown key {loc!r}; allowed keys{' in ' + section if section else ''}: {', '.join(allowed)}"
+        hint = did_you_mean(str(e["loc"][-1]), allowed, prefix=f"{section}." if section else "")
+        return (f"config error: unknown key {loc!r}{hint}; allowed keys{' in ' + section if section else ''}: "
+                f"{', '.join(allowed)}")
     if not loc:
         return f"config error: {msg}"
-    return f"config error: {loc}: {msg} (got {e.get('input')!r})"
+    hint = ""
+    if e["type"] == "literal_error":  # a choice among names: suggest the closest
+        hint = did_you_mean(e.get("input"), re.findall(r"'([^']*)'", str((e.get("ctx") or {}).get("expected", ""))))
+    return f"config error: {loc}: {msg} (got {e.get('input')!r}){hint}"
 
 
 def _allowed_keys(section: str) -> list[str]:

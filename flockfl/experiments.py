@@ -15,7 +15,9 @@ import yaml
 from pydantic import BaseModel
 
 from flockfl.config import ExperimentConfig, deep_merge, validate_schema
-from flockfl.errors import ConfigError
+from flockfl.errors import ConfigError, did_you_mean
+
+PARAMS = "params.yaml"  # the file that marks a project's root (as dvc.yaml and .git mark theirs)
 
 
 def parse_set(items: list[str]) -> dict[str, Any]:
@@ -99,7 +101,8 @@ def _check_registered(cfg: ExperimentConfig) -> None:
 
     cls = ALGORITHMS.get(cfg.algorithm.name)
     if cls is None:
-        raise ValueError(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}; choose one of {', '.join(sorted(ALGORITHMS))}")
+        raise ValueError(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}{did_you_mean(cfg.algorithm.name, ALGORITHMS)}; "
+                         f"choose one of {', '.join(sorted(ALGORITHMS))} (flockfl list algorithms)")
     resolved = resolve(cls, cfg.algorithm.hyper(), ALGORITHMS)
     extra = cfg.algorithm.__pydantic_extra__
     extra.clear()
@@ -169,6 +172,23 @@ def read_mapping(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
+def find_project_root(start: str | Path | None = None) -> Path | None:
+    """The project's root: the nearest folder from ``start`` (default: the current one) upwards
+    that holds a ``params.yaml``, as git and dvc find theirs; None outside a project."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        if (folder / PARAMS).is_file():
+            return folder
+    return None
+
+
+def no_project_error(start: str | Path | None = None, what: str = "") -> ConfigError:
+    """The one-line error for a command that needs a project, run outside one."""
+    here = Path(start or Path.cwd()).resolve()
+    return ConfigError(f"no {PARAMS} in {here} or any folder above it{what}; run flockfl inside a flockfl project "
+                       f"(a folder with {PARAMS}, e.g. a clone of flockfl), pass --params FILE, or give a YAML config path")
+
+
 def load_params(path: str | Path = "params.yaml") -> dict[str, Any]:
     p = Path(path)
     return read_mapping(p, "with 'partitions' and 'experiments'") if p.exists() else {}
@@ -200,10 +220,13 @@ def load_experiment(
     elif path.suffix in (".yaml", ".yml", ".json") and path.exists():
         raw = read_mapping(path, "of config sections")
         raw.setdefault("name", path.stem)
+    elif path.suffix in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"config file {name_or_path!r} not found (looked in {Path.cwd()}); check the path")
     else:
         known = ", ".join(sorted(experiments)) or "none"
         raise ConfigError(
-            f"unknown experiment {name_or_path!r}: not a config file and not in {params_path} (experiments: {known})"
+            f"unknown experiment {name_or_path!r}{did_you_mean(name_or_path, experiments)}: not a config file and not in "
+            f"{params_path} (experiments: {known}; flockfl list experiments)"
         )
     over = parse_set(overrides or [])
     notices: list[str] = []
@@ -217,21 +240,26 @@ def load_experiment(
 
 def switch_algorithm(raw: dict[str, Any], override: dict[str, Any], notify=None) -> dict[str, Any]:
     """``--set algorithm.name=X`` on a config written for Y swaps the whole algorithm block
-    (Hydra's config groups): Y's keys that X does not take are dropped, with a one-line notice."""
-    from flockfl.algorithms import ALGORITHMS
-    from flockfl.algorithms.hyper import declared
-
+    (Hydra's config groups): every ``algorithm.*`` key the config set for Y is dropped (X runs
+    with its own defaults, and the keys given with ``--set`` beside the name), with a one-line
+    notice. The run then says the algorithm that ran: unless ``--set name=...`` names it, the
+    config's name becomes ``<experiment>-<X>`` (its run directory, MLflow run name and
+    registered model), filed under the experiment's MLflow experiment (``tracking.experiment``)."""
     new = (override.get("algorithm") or {}).get("name")
     old_block = raw.get("algorithm") or {}
-    if not new or new == old_block.get("name", "fedavg") or new not in ALGORITHMS:
+    old = old_block.get("name", "fedavg")
+    if not new or new == old:
         return raw
-    takes = declared(ALGORITHMS[new])
-    dropped = sorted(k for k in old_block if k != "name" and k not in takes)
+    given = override.get("algorithm") or {}
+    dropped = sorted(k for k in old_block if k != "name" and k not in given)
     if dropped:
-        (notify or _notice)(f"algorithm.name={new}: dropped {', '.join(f'algorithm.{k}' for k in dropped)} "
-                            f"(a key of {old_block.get('name', 'fedavg')} that {new} does not take)")
+        (notify or _notice)(f"algorithm.name={new}: dropped {old}'s {', '.join(f'algorithm.{k}' for k in dropped)} "
+                            f"(give any you want kept with --set)")
     out = dict(raw)
-    out["algorithm"] = {k: v for k, v in old_block.items() if k not in dropped}
+    out["algorithm"] = {"name": old}
+    if "name" not in override and raw.get("name"):
+        out["tracking"] = {"experiment": raw["name"], **(raw.get("tracking") or {})}
+        out["name"] = f"{raw['name']}-{new}"
     return out
 
 

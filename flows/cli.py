@@ -20,6 +20,12 @@ from flockfl.errors import UserError
 from flows.env import configure_environment
 
 EXIT_USAGE = 2
+# what `flockfl list WHAT` lists; `experiments` and `partitions` need a project (a params.yaml)
+LISTS = ("algorithms", "experiments", "partitions", "datasets", "schemes", "models", "stages")
+FAMILIES = ("global", "clustered", "personalised")
+# path options whose relative values are the user's (made absolute before flockfl moves to the
+# project's root); their defaults stay relative, i.e. relative to the root
+PATH_OPTIONS = ("params", "partitions", "run_dir", "metrics_file", "out", "sweep_dir", "runs_root")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,10 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--tracking-uri")
     ui.add_argument("--workers", type=int, default=1, help="MLflow server worker processes (default 1)")
 
-    lst = sub.add_parser("list", help="experiments in params.yaml, the registered algorithms and the stages; "
-                                      "flockfl list ALGORITHM shows its paper, hyper-parameters and stages; "
-                                      "flockfl list curriculum|pruning shows that stage's keys")
-    lst.add_argument("algorithm", nargs="?", metavar="ALGORITHM")
+    lst = sub.add_parser("list", help="what there is to run: the project's experiments and partitions, the methods by "
+                                      "family, datasets, schemes, models and stages; flockfl list ALGORITHM shows its "
+                                      "paper, hyper-parameters and stages; flockfl list curriculum|pruning|shift a stage's keys")
+    lst.add_argument("algorithm", nargs="?", metavar="WHAT",
+                     help=f"one of {', '.join(LISTS)}, or an algorithm or stage name")
     lst.add_argument("--params", default="params.yaml")
     lst.add_argument("--json", action="store_true")
     lst.add_argument("--markdown", action="store_true", help="the algorithm table of docs/algorithms.md")
@@ -87,9 +94,14 @@ def cmd_run(args) -> dict:
 
     from flows.rundir import read_run_file, run_identity
 
+    if args.project_root is None and Path(args.config).suffix not in (".yaml", ".yml", ".json"):
+        from flockfl.experiments import no_project_error
+
+        raise no_project_error(what=f" to find the experiment {args.config!r}")
     cfg = load_experiment(args.config, args.overrides, args.params)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir = Path(args.run_dir or f"runs/{cfg.name}-{stamp}")
+    args.resolved_run_dir = run_dir
     if list_checkpoints(run_dir):
         if not args.resume:
             raise UserError(f"{run_dir} already holds checkpoints; continue it with: flockfl resume {run_dir}")
@@ -106,7 +118,7 @@ def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
     from flows.experiment import execute
 
     return execute(cfg, run_dir, tracking_uri=args.tracking_uri, partitions_root=args.partitions, fresh=fresh,
-                   progress=not args.no_progress, metrics_file=getattr(args, "metrics_file", None))
+                   progress=False if args.no_progress else ("stderr" if args.json else True), metrics_file=getattr(args, "metrics_file", None))
 
 
 def cmd_resume(args) -> dict:
@@ -114,6 +126,7 @@ def cmd_resume(args) -> dict:
     from flows.rundir import find_run_dir, read_run_file
 
     run_dir = find_run_dir(args.run, args.tracking_uri)
+    args.resolved_run_dir = run_dir
     info = read_run_file(run_dir)
     if "config" not in info:
         raise UserError(f"{run_dir}/run.json has no config; it was not written by flockfl run")
@@ -171,58 +184,117 @@ def cmd_ui(args) -> None:
 
 def cmd_list(args) -> dict:
     from flockfl.algorithms import ALGORITHMS, describe
-    from flockfl.data.datasets import LOADERS
-    from flockfl.data.schemes import SCHEMES
-    from flockfl.experiments import load_params
+    from flockfl.errors import did_you_mean
     from flockfl.reference import describe_stage
     from flockfl.stages import STAGES
-    from models import MODELS
 
     stages = [cls.name for cls in STAGES]
-    if args.algorithm:
-        if args.algorithm in stages:
-            return describe_stage(args.algorithm)
-        if args.algorithm not in ALGORITHMS:
-            raise UserError(f"unknown algorithm or stage {args.algorithm!r}; choose one of {', '.join(sorted(ALGORITHMS))}, "
-                            f"or a stage: {', '.join(stages)}")
-        return describe(args.algorithm)
+    what = args.algorithm
+    if what in LISTS:
+        return {what: _listing(what, args)}
+    if what:
+        if what in stages:
+            return describe_stage(what)
+        if what not in ALGORITHMS:
+            raise UserError(f"unknown algorithm or stage {what!r}{did_you_mean(what, [*ALGORITHMS, *stages, *LISTS])}; "
+                            f"choose one of {', '.join(sorted(ALGORITHMS))}, a stage ({', '.join(stages)}), or one of "
+                            f"{', '.join(LISTS)}")
+        return {"family": ALGORITHMS[what].family, **describe(what)}
+    if args.project_root is None:
+        from flockfl.experiments import no_project_error
 
-    params = load_params(args.params)
-    return {
-        "experiments": sorted(params.get("experiments") or {}),
-        "partitions": sorted(params.get("partitions") or {}),
-        "algorithms": sorted(ALGORITHMS),
-        "datasets": list(LOADERS),
-        "schemes": list(SCHEMES),
-        "models": list(MODELS),
-        "stages": stages,
-    }
+        raise no_project_error(what=" to list its experiments and partitions (flockfl list algorithms|datasets|"
+                                    "schemes|models|stages work anywhere)")
+    out = {k: list(_listing(k, args)) for k in LISTS}
+    out["families"] = {f: [n for n in sorted(ALGORITHMS) if ALGORITHMS[n].family == f] for f in FAMILIES}
+    return out
+
+
+def _listing(what: str, args) -> dict[str, str]:
+    """One of `flockfl list`'s lists: each name with a line about it."""
+    if what in ("experiments", "partitions"):
+        from flockfl.experiments import load_params
+
+        entries = load_params(args.params).get(what) or {}
+        if what == "partitions":
+            return {k: _partition_line(v) for k, v in sorted(entries.items())}
+        return {k: f"{((v or {}).get('algorithm') or {}).get('name', 'fedavg')} on "
+                   f"{((v or {}).get('partition') or {}).get('name') or ((v or {}).get('dataset') or {}).get('name', '?')}"
+                for k, v in sorted(entries.items())}
+    if what == "algorithms":
+        from flockfl.algorithms import ALGORITHMS
+
+        return {n: f"[{c.family}] {c.paper}" for n, c in sorted(ALGORITHMS.items())}
+    if what == "stages":
+        from flockfl.stages import STAGES
+
+        return {c.name: _first_line(c) for c in STAGES}
+    if what == "datasets":
+        from flockfl.data.datasets import LOADERS as table
+    elif what == "schemes":
+        from flockfl.data.schemes import SCHEMES as table
+    else:
+        from models import MODELS as table
+    return {n: _first_line(v) for n, v in table.items()}
+
+
+def _partition_line(v: dict) -> str:
+    v = v or {}
+    part = v.get("partition") or {}
+    return f"{(v.get('dataset') or {}).get('name', '?')}, {part.get('scheme', '?')}" + (
+        f", {part['num_clients']} clients" if "num_clients" in part else "")
+
+
+def _first_line(obj, width: int = 110) -> str:
+    """The first sentence of ``obj``'s docstring, cut to ``width`` characters."""
+    doc = " ".join((getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0].split())
+    end = doc.find(". ")
+    doc = doc[: end + 1] if 0 < end else doc
+    return doc if len(doc) <= width else doc[: width - 1].rstrip() + "…"
 
 
 # ---------------------------------------------------------------------- output
 
 
-def _print_summary(s: dict) -> None:
+def summary_lines(s: dict) -> list[str]:
+    """The run's summary as people read it: at most about 12 lines (``--json`` has everything)."""
     m = s.get("metrics", {})
-    rows = [("experiment", s.get("experiment")), ("rounds", s.get("rounds"))]
-    rows += [(k, f"{v:.4f}" if isinstance(v, float) else v) for k, v in m.items()]
-    rows += [("engine", s.get("engine")), ("round_s_median", f"{s.get('round_s_median', float('nan')):.3f}"),
-             ("wall_s", f"{s.get('wall_s', 0):.1f}"), ("run_dir", s.get("run_dir")), ("mlflow run", s.get("run_id")),
-             ("state_sha256", (s.get("state_sha256") or "")[:16] + "…")]
-    width = max(len(str(k)) for k, _ in rows)
-    for k, v in rows:
-        print(f"  {str(k).ljust(width)}  {v}")
+
+    def num(key: str, label: str = "") -> str:
+        v = m.get(key)
+        return f"{label or key} {v:.4f}" if isinstance(v, float) else (f"{label or key} {v}" if v is not None else "")
+
+    def line(label: str, *parts: str) -> None:
+        parts = [p for p in parts if p]
+        if parts:
+            lines.append(f"  {label.ljust(10)}  {'  '.join(parts)}")
+
+    proto = s.get("protocol") or {}
+    how = ", ".join(str(proto[k]) for k in ("test_set", "average", "report") if proto.get(k))
+    rs = s.get("round_s_median", float("nan"))
+    lines = [f"{s.get('experiment')}: {s.get('algorithm') or ''} {s.get('rounds')} rounds in {s.get('wall_s', 0):.1f} s"
+             f" ({rs:.3f} s a round, {s.get('engine') or '?'} trainer)".replace(":  ", ": ")]
+    line("accuracy", num("accuracy", "mean").removeprefix("mean "), num("accuracy_p10", "p10"), num("accuracy_min", "min"),
+         num("loss"), f"[{how}]" if how else "")
+    line("personal", num("accuracy_personal", "mean").removeprefix("mean "), num("accuracy_personal_p10", "p10"))
+    line("global", num("accuracy_global", "mean").removeprefix("mean "))
+    line("finetuned", num("accuracy_finetuned", "mean").removeprefix("mean "), num("accuracy_finetuned_p10", "p10"))
+    line("pruned", num("accuracy_pruned", "mean").removeprefix("mean "), num("sparsity"))
+    if "num_clusters" in m:
+        line("clusters", str(m["num_clusters"]), num("ari", "ARI"), num("nmi", "NMI"))
     if s.get("target_accuracy") is not None:
         hit = s.get("rounds_to_target")
-        print(f"  {'target'.ljust(width)}  accuracy {s['target_accuracy']}: "
-              + (f"reached at round {hit}, sim_time {s['sim_time_to_target']:.1f}s" if hit else "not reached"))
+        line("target", f"accuracy {s['target_accuracy']}: " + (
+            f"reached at round {hit}, sim_time {s['sim_time_to_target']:.1f}s" if hit else "not reached"))
     if s.get("clients_dropped"):
-        print(f"  {'dropped'.ljust(width)}  {s['clients_dropped']} client trainings failed and were dropped")
-    for w in s.get("checkpoint_warnings", []):
-        print(f"  warning: {w}")
-    from tasks.tracking import ui_url
-
-    print(f"Browse it: flockfl ui --tracking-uri {s.get('tracking_uri')}  (then open {ui_url('http://127.0.0.1:5000')})")
+        line("dropped", f"{s['clients_dropped']} client trainings failed and were dropped (see --json)")
+    for w in s.get("checkpoint_warnings", [])[:2]:
+        lines.append(f"  warning: {w}")
+    line("run dir", str(s.get("run_dir")))
+    if s.get("run_id"):
+        line("MLflow", f"run {s['run_id'][:12]}…", f"browse: flockfl ui --tracking-uri {s.get('tracking_uri')}")
+    lines.append("  (every metric and convention: flockfl run ... --json, or the MLflow run)")
+    return lines
 
 
 def _print_algorithm(d: dict) -> None:
@@ -237,14 +309,22 @@ def _print_algorithm(d: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    from flockfl.errors import FlockError
+
+    try:  # before anything else: Prefect's home and every default path are the project's
+        enter_project(parser, args)
+    except FlockError as err:
+        print(f"flockfl: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     configure_environment(verbose=args.verbose)
     if args.command in ("run", "resume", "sweep") or (args.command == "repro" and not (args.list or args.dry_run)):
-        # Prefect's API starts now, on the other core, while torch, MLflow and the data load
+        # Prefect's API starts now, on the other core, while torch, MLflow and the data load and
+        # the config is checked (a config error stops it with the command: nothing is written)
         from flows import apiserver
 
         apiserver.start()
-    from flockfl.errors import FlockError
     from flows.apiserver import ApiServerError
 
     t0 = time.perf_counter()
@@ -259,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(out, default=str))
             else:
-                _print_summary(out)
+                print("\n".join(summary_lines(out)))
         elif args.command == "partition":
             out = cmd_partition(args)
             print(json.dumps(out) if args.json else
@@ -278,27 +358,97 @@ def main(argv: list[str] | None = None) -> int:
             out = cmd_list(args)
             if args.json:
                 print(json.dumps(out, default=str))
+            elif args.algorithm in LISTS:
+                _print_names(out[args.algorithm])
             elif args.algorithm:
                 _print_algorithm(out)
             else:
-                for k, v in out.items():
-                    print(f"{k}: {', '.join(v) if v else '(none)'}")
+                _print_overview(out)
     except (FlockError, ApiServerError) as err:
         print(f"flockfl: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("flockfl: interrupted; continue with flockfl resume RUN_DIR", file=sys.stderr)
         return 130
-    except Exception as err:  # unexpected: one line, traceback kept on disk
+    except BrokenPipeError:
+        raise  # entry() leaves quietly
+    except Exception as err:  # unexpected: one line, the traceback kept on disk
         if os.environ.get("FLOCKFL_DEBUG"):
             raise
+        log = _error_log(args)
         print(f"flockfl: error: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''} "
-              f"(traceback in <run-dir>/error.log; FLOCKFL_DEBUG=1 shows it)", file=sys.stderr)
+              f"(traceback in {log}; FLOCKFL_DEBUG=1 shows it)", file=sys.stderr)
         return 1
     finally:
         if args.command in ("run", "resume") and os.environ.get("FLOCKFL_TIMING"):
             print(f"flockfl: {time.perf_counter() - t0:.1f}s in main", file=sys.stderr)
     return 0
+
+
+def enter_project(parser: argparse.ArgumentParser, args) -> None:
+    """Find the project as git and dvc find theirs, and work from its root.
+
+    The root is the nearest folder upwards from the current one that holds a ``params.yaml``
+    (or the folder of ``--params FILE``). Paths the user typed stay what they meant from where
+    they typed them (made absolute); defaults (``params.yaml``, ``data/partitions``, ``runs/``,
+    ``mlflow.db``, ``.prefect``) are the root's. Outside a project nothing moves; commands that
+    need one say so in one line. ``args.project_root`` is the root or None."""
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import find_project_root
+
+    here = Path.cwd()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+    for name in PATH_OPTIONS:
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value != sub.get_default(name):
+            setattr(args, name, str((here / value).resolve()))
+    uri = getattr(args, "tracking_uri", None)
+    if uri and uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        args.tracking_uri = "sqlite:///" + str((here / uri[len("sqlite:///"):]).resolve())
+    for name in ("config", "name", "run", "experiment"):  # a file or folder typed on the command line
+        value = getattr(args, name, None)
+        if isinstance(value, str) and value and (here / value).exists() and not Path(value).is_absolute():
+            setattr(args, name, str((here / value).resolve()))
+    params = getattr(args, "params", None)
+    explicit = isinstance(params, str) and params != sub.get_default("params")
+    if explicit and not Path(params).is_file():
+        raise ConfigError(f"--params {params}: no such file; give the path of a params.yaml")
+    root = Path(params).parent if explicit else find_project_root(here)
+    args.project_root = root
+    if root is not None and root != here:
+        os.chdir(root)
+
+
+def _error_log(args) -> Path:
+    """Where the traceback of an unexpected error went: the run's own error.log when the run
+    wrote one, else a new file under the project's runs/errors/ (a temp folder outside a project)."""
+    import tempfile
+    import traceback
+
+    run_dir = getattr(args, "resolved_run_dir", None)
+    if run_dir is not None and (Path(run_dir) / "error.log").is_file():
+        return (Path(run_dir) / "error.log").resolve()
+    folder = Path("runs/errors") if getattr(args, "project_root", None) else Path(tempfile.gettempdir()) / "flockfl-errors"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{args.command}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    path.write_text(traceback.format_exc())
+    return path.resolve()
+
+
+def _print_names(entries: dict[str, str]) -> None:
+    width = max((len(k) for k in entries), default=0)
+    for k, v in entries.items():
+        print(f"  {k.ljust(width)}  {v}" if v else f"  {k}")
+
+
+def _print_overview(out: dict) -> None:
+    for key in ("experiments", "partitions"):
+        print(f"{key}: {', '.join(out[key]) or '(none in params.yaml)'}")
+    print("algorithms (flockfl list ALGORITHM for its paper and keys):")
+    for fam, names in out["families"].items():
+        print(f"  {fam.ljust(12)}  {', '.join(names)}")
+    for key in ("datasets", "schemes", "models", "stages"):
+        print(f"{key}: {', '.join(out[key])}")
 
 
 def _process_start() -> float:
@@ -313,14 +463,24 @@ def entry() -> None:
 
     Once the exit handlers ran (they stop Prefect's ephemeral API server and flush MLflow)
     and the streams are flushed, nothing is left to do; tearing down torch, MLflow and
-    Prefect's module graphs would cost ~2 s of garbage collection per command.
+    Prefect's module graphs would cost ~2 s of garbage collection per command. A reader that
+    went away (``flockfl list | head``) ends the command quietly.
     """
     import atexit
 
-    rc = main()
+    try:
+        rc = main()
+    except BrokenPipeError:
+        rc = 0
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader closed the pipe: nothing more to say, and no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    try:
+        sys.stderr.flush()
+    except BrokenPipeError:
+        pass
     os._exit(rc)
 
 

@@ -14,7 +14,7 @@ import traceback
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 from prefect import flow
@@ -34,11 +34,17 @@ from flows.rundir import read_run_file, write_run_file
 from tasks.tracking import BackgroundTracker, Tracker, prefetch
 
 class Progress:
-    """A rich progress bar on stderr (only when stderr is a terminal)."""
+    """A run's progress: a rich bar on stderr when stderr is a terminal, else one plain line per
+    round (a log file reads as a log): on stdout, or on stderr under ``--json`` (whose stdout
+    ends with the summary). Nothing with ``--no-progress``."""
 
-    def __init__(self, total: int, start: int, name: str, enabled: bool):
+    def __init__(self, total: int, start: int, name: str, enabled: bool, json_out: bool = False):
         self.bar = None
-        if enabled and sys.stderr.isatty():
+        self.stream = None
+        self.total, self.name = total, name
+        if not enabled:
+            return
+        if sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
 
@@ -47,11 +53,20 @@ class Progress:
                                     console=Console(stderr=True), transient=False)
             self.task = self.bar.add_task(name, total=total, completed=start, info="")
             self.bar.start()
+        else:
+            self.stream = sys.stderr if json_out else sys.stdout
+        self.t = time.perf_counter()
 
     def update(self, row: dict) -> None:
+        info = " ".join(f"{k}={row[k]:.3f}" for k in ("accuracy", "loss", "ari") if isinstance(row.get(k), float))
         if self.bar:
-            info = " ".join(f"{k}={row[k]:.3f}" for k in ("accuracy", "loss", "ari") if k in row)
             self.bar.update(self.task, completed=row["round"], info=info)
+        elif self.stream:
+            now = time.perf_counter()
+            clusters = f" clusters={row['num_clusters']}" if "num_clusters" in row else ""
+            print(f"{time.strftime('%H:%M:%S')} {self.name} round {row['round']}/{self.total} {info}{clusters} "
+                  f"{now - self.t:.2f}s", file=self.stream, flush=True)
+            self.t = now
 
     def close(self) -> None:
         if self.bar:
@@ -261,7 +276,7 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
 
 @flow(name="flockfl-experiment", persist_result=False, log_prints=False)
 def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/partitions",
-                    tracking_uri: str = "sqlite:///mlflow.db", progress: bool = True,
+                    tracking_uri: str = "sqlite:///mlflow.db", progress: Union[bool, str] = True,
                     parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
                     run_name: Optional[str] = None) -> dict:
     """Run (or continue) one experiment; returns the summary that ``flockfl run --json`` prints.
@@ -285,7 +300,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     if tracker:  # the partition's measures on a new run; the rounds a killed run never logged
         tracker.catch_up({f"partition_{k}": v for k, v in (prep.info.get("heterogeneity") or {}).items()
                           if isinstance(v, (int, float))}, [dict(h) for h in state.history])
-    bar = Progress(cfg.train.rounds, state.round, cfg.name, progress)
+    bar = Progress(cfg.train.rounds, state.round, cfg.name, bool(progress), json_out=progress == "stderr")
     periods, overhead = [], []
     clock = {"t0": time.perf_counter(), "body0": tasks.BODY_SECONDS[0]}
 
@@ -348,6 +363,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "run_id": tracker.run_id if tracker else None,
         "run_dir": str(run_path),
         "experiment": cfg.name,
+        "algorithm": cfg.algorithm.name,
         "rounds": state.round,
         "resumed_from_round": resumed_from,
         "metrics": summary["metrics"],
@@ -393,7 +409,7 @@ def _executor_summary(history: list[dict]) -> dict:
 
 
 def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, tracking_uri: str,
-                   progress: bool = True, parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
+                   progress: Union[bool, str] = True, parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None,
                    run_name: Optional[str] = None, wait: bool = True) -> dict:
     """Run the flow with a thread pool sized for the shards (one at a time on small machines),
     or with ``executor.kind=dask`` on a DaskTaskRunner (the scheduler at ``executor.address``, or
@@ -456,7 +472,7 @@ def settle(summary: dict) -> dict:
 
 
 def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str], partitions_root: str, fresh: bool,
-            progress: bool = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
+            progress: Union[bool, str] = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
             run_tags: Optional[dict] = None, run_name: Optional[str] = None, wait: bool = True) -> dict:
     """Run or resume ``cfg`` in ``run_dir``: what ``flockfl run``, ``flockfl resume``, a sweep's
     child and a scheduled run all do. A fresh run first builds its partition (before Prefect:

@@ -64,13 +64,90 @@ def test_missing_dataset_is_one_line(in_workdir, capsys, monkeypatch):
     assert "IDX files not found" in err and err.count("\n") == 1
 
 
-def test_list_shows_experiments_and_algorithms(in_workdir, capsys):
+def test_list_shows_experiments_and_algorithms_by_family(in_workdir, capsys):
     assert main(["list"]) == 0
     out = capsys.readouterr().out
     assert "fedavg_rotated_digits" in out and "ifca_rotated_digits" in out
-    algos = next(line for line in out.splitlines() if line.startswith("algorithms:"))
-    for name in ("fedavg", "fedsgd", "ifca", "fedprox", "fednova", "scaffold", "fedadam", "fedadagrad", "fedyogi", "fedavgm"):
-        assert name in algos.split(": ", 1)[1].split(", ")
+    families = {line.split()[0]: line.split(None, 1)[1].split(", ") for line in out.splitlines()
+                if line.startswith("  ") and line.split()[0] in ("global", "clustered", "personalised")}
+    for name in ("fedavg", "fedsgd", "fedprox", "fednova", "scaffold", "fedadam", "fedadagrad", "fedyogi", "fedavgm"):
+        assert name in families["global"]
+    assert {"ifca", "pacfl", "cfl", "flexcfl"} <= set(families["clustered"])
+    assert {"ditto", "apfl", "fedrep", "local"} <= set(families["personalised"])
+    assert main(["list", "--json"]) == 0
+    js = json.loads(capsys.readouterr().out)
+    assert sorted(sum(js["families"].values(), [])) == js["algorithms"]  # every method in exactly one family
+
+
+@pytest.mark.parametrize("what,name", [("datasets", "digits"), ("schemes", "dirichlet"), ("models", "lenet5"),
+                                       ("experiments", "ifca_rotated_digits"), ("partitions", "rotated_digits"),
+                                       ("stages", "pruning"), ("algorithms", "pacfl")])
+def test_list_each_kind(in_workdir, capsys, what, name):
+    assert main(["list", what]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.split()[0] == name for line in lines), lines
+    assert main(["list", what, "--json"]) == 0
+    assert name in json.loads(capsys.readouterr().out)[what]
+
+
+def test_configs_are_found_from_a_subfolder_and_not_outside_a_project(in_workdir, tmp_path_factory, capsys, monkeypatch):
+    """params.yaml is found by walking up (as git and dvc find theirs); the project's defaults
+    (data/partitions, runs/) are the root's; outside a project the error names where it looked."""
+    sub = in_workdir / "notes" / "deep"
+    sub.mkdir(parents=True)
+    monkeypatch.chdir(sub)
+    assert main(["list", "experiments"]) == 0
+    assert "ifca_rotated_digits" in capsys.readouterr().out
+    assert main(["partition", "rotated_digits", "--json"]) == 0
+    assert (in_workdir / "data/partitions/rotated_digits.npz").exists() and not (sub / "data").exists()
+    outside = tmp_path_factory.mktemp("elsewhere")
+    monkeypatch.chdir(outside)
+    assert main(["list"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"no params.yaml in {outside.resolve()} or any folder above it" in err
+    assert main(["run", "ifca_rotated_digits"]) == 2
+    assert "no params.yaml in" in capsys.readouterr().err
+    assert main(["list", "algorithms"]) == 0  # what needs no project works anywhere
+    capsys.readouterr()
+    assert main(["list", "--params", "misspelt.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "--params" in err and "misspelt.yaml: no such file" in err
+    assert main(["list", "experiments", "--params", str(in_workdir / "params.yaml")]) == 0
+    assert "ifca_rotated_digits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,hint", [
+    (["run", "ifca_rotated_digits", "--set", "train.lrr=0.1"], "did you mean 'train.lr'?"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.kk=3"], "did you mean 'algorithm.k'?"),
+    (["run", "ifca_rotated_digits", "--set", "algorithm.name=ifac"], "did you mean 'ifca'?"),
+    (["run", "ifca_rotated_digits", "--set", "model.name=mpl"], "did you mean 'mlp'?"),
+    (["run", "ifca_rotated_digit"], "did you mean 'ifca_rotated_digits'?"),
+    (["list", "fedavgg"], "did you mean 'fedavg'?"),
+    (["list", "FedProx"], "did you mean 'fedprox'?"),
+])
+def test_did_you_mean(in_workdir, capsys, argv, hint):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert hint in err and err.count("\n") == 1, err
+
+
+def test_summary_is_short_and_a_log_gets_a_line_per_round(workdir):
+    """Without a terminal, each round is one line (a log reads as a log); the summary that
+    follows is at most ~12 lines; --json keeps everything, and its progress goes to stderr."""
+    args = ["run", "fedavg_rotated_digits", "--set", "train.rounds=3", "--set", "partition.num_clients=8",
+            "--set", "train.clients_per_round=4", "--tracking-uri", f"sqlite:///{workdir}/m.db"]
+    res = run_flock([*args, "--run-dir", "runs/a"], workdir, timeout=300)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.strip().splitlines()
+    rounds = [line for line in lines if " round " in line and "/3 " in line]
+    assert len(rounds) == 3 and all("accuracy=" in line for line in rounds), lines
+    summary = lines[len(rounds):]
+    assert summary[0].startswith("fedavg_rotated_digits: fedavg 3 rounds") and len(summary) <= 12, summary
+    assert any(line.split()[0] == "accuracy" for line in summary)
+    res = run_flock([*args, "--run-dir", "runs/b", "--json"], workdir, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("\n") == 1 and json.loads(res.stdout)["algorithm"] == "fedavg"
+    assert res.stderr.count(" round ") == 3
 
 
 def test_partition_command_writes_npz_and_summary(in_workdir, capsys):
@@ -84,16 +161,27 @@ def test_partition_command_writes_npz_and_summary(in_workdir, capsys):
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cached"]
 
 
-def test_switching_algorithm_drops_foreign_keys_with_a_notice(in_workdir, capsys):
+def test_switching_algorithm_drops_the_old_keys_and_names_the_run_after_it(in_workdir, capsys):
     """--set algorithm.name=X on a config written for Y (the IFCA config's own header suggests
-    it): Y's keys that X does not take are dropped with a one-line notice, not an error."""
+    it): every algorithm.* key the config set for Y is dropped with a one-line notice (X runs with
+    its own defaults and the keys given beside the name), and the run, its directory and its
+    registered model carry X's name, filed under the experiment's MLflow experiment."""
     from flockfl.experiments import load_experiment
 
     cfg = load_experiment("ifca_rotated_digits", ["algorithm.name=fedprox", "algorithm.mu=0.5"])
     err = capsys.readouterr().err
     assert cfg.algorithm.name == "fedprox" and cfg.algorithm.mu == 0.5
     assert cfg.algorithm.hyper() == {"weighting": "samples", "mu": 0.5}
-    assert err.count("\n") == 1 and "dropped algorithm.init, algorithm.k" in err
+    assert err.count("\n") == 1 and "dropped ifca's algorithm.init, algorithm.k" in err
+    assert cfg.name == "ifca_rotated_digits-fedprox" and cfg.tracking.experiment == "ifca_rotated_digits"
+    # a key both algorithms take is dropped too unless given again: one-shot IFCA runs with its own
+    # default k = 2, not the IFCA experiment's 4
+    cfg = load_experiment("ifca_rotated_digits", ["algorithm.name=ifca_oneshot"])
+    assert cfg.algorithm.hyper()["k"] == 2
+    cfg = load_experiment("ifca_rotated_digits", ["algorithm.name=ifca_oneshot", "algorithm.k=4"])
+    assert cfg.algorithm.hyper()["k"] == 4
+    # naming the run yourself wins
+    assert load_experiment("ifca_rotated_digits", ["algorithm.name=fedavg", "name=mine"]).name == "mine"
 
 
 def test_a_regression_npz_with_the_linear_model_runs_and_natural_clients_come_from_the_file(tmp_path):

@@ -43,6 +43,7 @@ class Algorithm:
     """FedAvg (McMahan et al., arXiv 1602.05629): E local epochs of SGD, sample-weighted mean."""
 
     name = "fedavg"
+    family = "global"  # global | clustered | personalised: how `flockfl list` groups methods
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, arXiv 1602.05629"
     # the algorithm.* keys this class reads (a subclass adds or redeclares; see hyper.py)
     hyperparameters: tuple[Hyper, ...] = (weighting("samples"),)

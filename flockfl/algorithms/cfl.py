@@ -78,6 +78,7 @@ from flockfl.state import ServerState, log_round
 
 class CFL(Algorithm):
     name = "cfl"
+    family = "clustered"
     paper = ("Sattler, Müller, Samek, Clustered Federated Learning: Model-Agnostic Distributed Multitask Optimization "
              "under Privacy Constraints, IEEE TNNLS 2021, arXiv 1910.01991")
     hyperparameters = (

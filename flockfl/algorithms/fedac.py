@@ -111,6 +111,7 @@ PLACEHOLDER = {"source": "library", "note": "the spec's placeholder; the paper's
 
 class FedAC(Algorithm):
     name = "fedac"
+    family = "clustered"
     device_state_keys = ("omega0", "phi", "pca", "pca_mean")  # flat tensors kept with the centroids
     personal = True  # each client is evaluated with its own ω_i
     finetune_momentum = False  # [kept as it was] FedAC's fine-tuning has never used train.momentum

@@ -76,6 +76,8 @@ HYPER = (
 class FLISBase(Algorithm):
     """The inference-similarity machinery shared by both variants."""
 
+    family = "clustered"
+
     @classmethod
     def check_config(cls, cfg):
         if cfg.partition.server_holdout < cfg.algorithm.server_data_size:

@@ -72,6 +72,8 @@ class GroupedClients(Algorithm):
     """m group models; a client is in one group or cold (-1). Shared by FlexCFL and FeSEM:
     round-robin selection, the shift detector, current-membership evaluation."""
 
+    family = "clustered"
+
     @property
     def num_models(self) -> int:
         """m; with k=auto (FlexCFL) one until the group cold start chooses m."""

@@ -26,6 +26,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from flockfl.errors import did_you_mean
+
 
 AUTO = "auto"  # the value of a key read from the data (flockfl.clustering.choose)
 
@@ -204,6 +206,6 @@ def resolve(cls: type, given: dict[str, Any], algorithms: dict[str, type]) -> di
             if others:
                 raise ValueError(f"algorithm.{key}: {cls.name} does not take {key!r}; it is a hyper-parameter of "
                                  f"{', '.join(others)} (set algorithm.name to one of them, or drop the key)")
-            raise ValueError(f"algorithm.{key}: unknown key for {cls.name}; it takes "
+            raise ValueError(f"algorithm.{key}: unknown key for {cls.name}{did_you_mean(key, decl, 'algorithm.')}; it takes "
                              f"{', '.join(sorted(decl)) or 'no hyper-parameters'} (flockfl list {cls.name})")
     return {name: (h.check(given[name], cls.name) if name in given else h.default) for name, h in decl.items()}

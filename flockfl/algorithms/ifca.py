@@ -88,6 +88,7 @@ from models import init_params
 
 class IFCA(Algorithm):
     name = "ifca"
+    family = "clustered"
     paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088"
     hyperparameters = (
         weighting("uniform", source="paper", note="Alg. 2 option II: unweighted per-cluster mean, as the MNIST/CIFAR "

@@ -18,6 +18,7 @@ from flockfl.algorithms.base import Algorithm
 class Local(Algorithm):
     name = "local"
     paper = "local training only (SOLO), the thesis's non-federated baseline"
+    family = "personalised"
     hyperparameters = ()
 
     def init_state(self, ctx):

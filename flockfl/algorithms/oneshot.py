@@ -20,6 +20,8 @@ from flockfl.state import ServerState
 class OneShotClustering(Algorithm):
     """FedAvg inside clusters that the pre-federation step fixed."""
 
+    family = "clustered"
+
     def clustered_state(self, state: ServerState, ctx: RunContext, labels: np.ndarray, algo: dict) -> ServerState:
         """Every cluster starts from θ_g^0; the federating clients get their labels."""
         z = int(labels.max()) + 1 if len(labels) else 1

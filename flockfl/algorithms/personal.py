@@ -117,6 +117,8 @@ def run_pass(ctx, state, spec: LocalSpec, round: int) -> TrainResult:
 class PartialSharing(Algorithm):
     """FedAvg on the shared layers; the personal layers (``personal_spec``) stay on each client."""
 
+    family = "personalised"
+
     personal = True
     # the partition key this method declares, and whether it names the personal part (False:
     # it names the shared part, LG-FedAvg's global_layers)
