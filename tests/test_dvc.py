@@ -48,6 +48,26 @@ def repo(tmp_path_factory):
     return d, env, dvc
 
 
+def test_dvc_repro_without_the_venv_activated(tmp_path):
+    """`.venv/bin/dvc repro` from a shell whose PATH has no venv: the stage commands still find
+    the project's flockfl (in .venv/bin), not another program of that name."""
+    import os
+
+    d = tmp_path / "proj"
+    d.mkdir()
+    shutil.copy(ROOT / "dvc.yaml", d / "dvc.yaml")
+    (d / "params.yaml").write_text(yaml.safe_dump({"partitions": PARAMS["partitions"], "experiments": {}}))
+    (d / ".venv").symlink_to(sys.prefix)  # the project's venv, as ./run makes it
+    env = flock_env({"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"})
+    env["PATH"] = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if not p.startswith(sys.prefix))
+    env.pop("VIRTUAL_ENV", None)
+    assert shutil.which("flockfl", path=env["PATH"]) is None
+    sh(["git", "init", "-q"], d, env)
+    sh([str(d / ".venv/bin/dvc"), "init", "-q"], d, env)
+    res = sh([str(d / ".venv/bin/dvc"), "repro"], d, env)
+    assert (d / "data/partitions/tiny_rot.npz").stat().st_size > 0, res.stdout
+
+
 def test_dvc_repro_runs_partition_then_train(repo):
     d, env, dvc = repo
     sh(dvc + ["repro"], d, env)
