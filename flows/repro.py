@@ -23,6 +23,11 @@ API and one MLflow store, the children nested under one MLflow parent run, which
 table (``repro/table.md``, ``repro/table.json``). Running the same command again continues it:
 finished cells are kept, interrupted ones resume from their checkpoints. Nothing is tuned per
 table: the rows take the registry's defaults except where the paper states a value.
+
+Before anything runs, the command prints the number of cells and runs at the chosen budget and
+checks that the data of every cell is there (a missing dataset is one line naming it and the
+fix); after the first run it starts afresh, it prints what that run took and the time the
+table needs at that pace (:func:`estimate_line`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import json
 import math
 import statistics
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -50,9 +56,10 @@ def add_parser(sub) -> None:
                                    "the tables.")
     p.add_argument("table", nargs="?", metavar="TABLE")
     p.add_argument("--list", action="store_true", help="name the tables and what they reproduce")
-    p.add_argument("--budget", help="one of the table's budgets: paper (the paper's rounds and epochs), cpu (what "
-                                    "fits a small CPU), or another the table defines (--list names them); "
-                                    "default: the table's default_budget")
+    p.add_argument("--budget", help="one of the table's budgets: paper (the paper's rounds and epochs, in full), cpu "
+                                    "(what fits a small CPU), or another the table defines (--list names them); "
+                                    "default: the table's default_budget (paper for every table); the time the table "
+                                    "needs at it is printed when its first run is done")
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="seeds (default: the table's, 0 1 2)")
     p.add_argument("--rows", nargs="+", metavar="ROW", help="only these rows (labels as printed)")
     p.add_argument("--columns", nargs="+", metavar="COLUMN", help="only these columns")
@@ -220,6 +227,88 @@ def plan_repro(name: str, budget: Optional[str], seeds: Optional[list[int]], row
     return plan
 
 
+# ---------------------------------------------------------------------- before it runs
+
+
+def count_line(plan: ReproPlan) -> str:
+    """How much the table is: cells, seeds and runs at the chosen budget."""
+    t = plan.table
+    cells, runs = len(plan.cells()), len(plan.sweep.children)
+    seeds = len(plan.sweep.seeds)
+    default = " (the table's default)" if plan.budget == t.default_budget else ""
+    others = [b for b in t.budgets if b != plan.budget]
+    return (f"{cells} cell{'s' * (cells != 1)} × {seeds} seed{'s' * (seeds != 1)} = {runs} run{'s' * (runs != 1)} at "
+            f"budget '{plan.budget}'{default}" + (f"; other budgets: {', '.join(others)} (--budget)" if others else "")
+            + "; the time the table needs is printed when its first run is done")
+
+
+def _data_problem(ds) -> Optional[str]:
+    """Why a cell's dataset cannot be loaded (one line with the fix), or None. Only the files
+    are looked for (the loader's own search: ``dataset.path``, ``data/raw/<name>/``, the Debian
+    package's folder); generated and bundled datasets always load."""
+    from flockfl.data.datasets import SYSTEM_DIRS, _find_idx_dir, default_mix_sources
+    from flockfl.errors import ConfigError
+
+    try:
+        if ds.name in SYSTEM_DIRS:
+            _find_idx_dir(ds.name, ds.path)
+        elif ds.name == "mix":
+            for source in ds.sources if ds.sources is not None else default_mix_sources(ds.path):
+                if source in SYSTEM_DIRS:
+                    _find_idx_dir(source, str(Path(ds.path) / source) if ds.path else None)
+        elif ds.name == "npz" and not Path(ds.path or "").is_file():
+            return f"npz: no file {ds.path!r}; set dataset.path (--set dataset.path=FILE.npz) to an existing .npz"
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def missing_data(plan: ReproPlan) -> Optional[str]:
+    """One line naming the first dataset a cell needs and cannot find, the cells that need it,
+    and the fix; None when every cell's data is there."""
+    needs: dict[str, list[str]] = {}
+    problems: dict[str, str] = {}
+    for child in plan.sweep.children:
+        ds = child.cfg.dataset
+        key = json.dumps(ds.model_dump(include={"name", "path", "sources"}), sort_keys=True)
+        if key not in problems:
+            problems[key] = _data_problem(ds)
+        if problems[key]:
+            needs.setdefault(key, [])
+            if child.label not in needs[key]:
+                needs[key].append(child.label)
+    if not needs:
+        return None
+    key, cells = next(iter(needs.items()))
+    return (f"table {plan.table.name!r} cannot start: {len(cells)} of its {len(plan.cells())} cells need data that is "
+            f"missing ({problems[key]})")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
+
+
+def estimate_line(plan: ReproPlan, child, done: int, left: int, parallel: int = 1) -> str:
+    """After the first run this command started afresh: what it took, and the table's time at
+    that pace (every run as long as this one, ``parallel`` at a time; cells differ by method and
+    setting, so it is a first guess)."""
+    took = float(child.summary.get("sweep_wall_s") or child.summary.get("wall_s") or 0.0)
+    runs = len(plan.sweep.children)
+    at_once = max(1, min(parallel, runs))
+    line = (f"repro: run {done}/{runs} ({child.key}) took {_duration(took)}; at that pace the table needs about "
+            f"{_duration(took * runs / at_once)} at budget '{plan.budget}'")
+    if left:
+        line += (f", {_duration(took * left / max(1, min(parallel, left)))} more for the {left} "
+                 f"run{'s' * (left != 1)} left")
+    return line + (f" ({at_once} at a time)" if at_once > 1 else "") + "; cells differ by method, so it is a first guess"
+
+
 # ---------------------------------------------------------------------- results
 
 
@@ -361,16 +450,34 @@ def cmd_repro(args) -> int:
         raise UserError("name a table (flockfl repro TABLE) or list them (flockfl repro --list)")
     plan = plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, args.overrides, args.params, args.out)
     t = plan.table
-    print(f"\n## {t.title}\n\n{describe_setting(plan)}\n")
+    missing = missing_data(plan)
+    if missing and not args.dry_run:
+        from flockfl.errors import ConfigError
+
+        raise ConfigError(missing)
+    print(f"\n## {t.title}\n\n{describe_setting(plan)}\n\n{count_line(plan)}\n", flush=True)
     if args.dry_run:
         for child in plan.sweep.children:
             print(f"- {child.key}: {' '.join(child.overrides)}")
+        print(f"\ndata: {missing}" if missing else "\ndata: every cell's dataset is there")
         return 0
     from flows.sweep import run_sweep
 
+    lock, estimated = threading.Lock(), []
+
+    def on_finished(child) -> None:
+        """The first run started afresh (not resumed) gives the estimate, once."""
+        with lock:
+            if estimated or child.resumed:
+                return
+            estimated.append(child.key)
+            done = sum(c.status == "finished" for c in plan.sweep.children)
+            left = sum(c.status == "pending" for c in plan.sweep.children)
+            print(estimate_line(plan, child, done, left, args.parallel), file=sys.stderr, flush=True)
+
     result = run_sweep(plan.sweep, plan.out / "runs", args.tracking_uri, args.partitions, args.parallel,
                        f"repro {args.table} ({plan.budget})", experiment=f"repro-{args.table}",
-                       progress=not args.no_progress and args.parallel == 1)
+                       progress=not args.no_progress and args.parallel == 1, on_finished=on_finished)
     text, data = render(plan)
     notes = "\n".join(f"- {n}" for n in t.notes)
     within = "; ".join(f"{v['within']} of {v['of']} cells within ±{v['points']:g} points of {s}"

@@ -160,8 +160,10 @@ class SweepResult:
 def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Optional[str] = None,
               partitions_root: str = "data/partitions", parallel: int = 1, parent_name: Optional[str] = None,
               experiment: Optional[str] = None, register_models: bool = False, progress: bool = False,
-              log=lambda msg: print(msg, file=sys.stderr, flush=True)) -> SweepResult:
-    """Run (or continue) every child of ``plan`` in this process; see the module docstring."""
+              log=lambda msg: print(msg, file=sys.stderr, flush=True), on_finished=None) -> SweepResult:
+    """Run (or continue) every child of ``plan`` in this process; see the module docstring.
+    ``on_finished(child)`` is called, from the thread that settled it, as each child this call
+    runs finishes (``flockfl repro``'s time estimate)."""
     from flockfl.data.store import build_partition
     from flows.experiment import execute, settle
     from flows.rundir import read_run_file
@@ -268,6 +270,8 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
             + (f" (resumed from round {child.summary['resumed_from_round']})" if child.summary.get("resumed_from_round") else "")
             + f", {child.summary['sweep_wall_s']:.1f} s")
         record(child)
+        if on_finished:
+            on_finished(child)
 
     cap = None
     if parallel > 1 and not os.environ.get("FLOCKFL_MAX_THREADS"):

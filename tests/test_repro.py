@@ -81,6 +81,9 @@ def test_a_small_table_end_to_end_and_continued(tmp_path):
     assert out["within_tolerance"]["Flower"]["of"] == 4
     assert "(budget 'paper'; the paper's: 50 × 10)" in res.stdout and "protocol: test_set=proportional, average=samples, report=best" in res.stdout
     assert "applied to every cell: dataset.name=digits" in res.stdout
+    assert "4 cells × 1 seed = 4 runs at budget 'paper' (the table's default)" in res.stdout
+    assert "repro: run 1/4 (FedAvg | IID seed=0) took " in res.stderr  # the estimate, after the first run
+    assert "at that pace the table needs about " in res.stderr and "more for the 3 runs left" in res.stderr
     table = Path(tmp_path, out["out"], "table.md").read_text()
     assert "| FedAvg |" in table and "89.23 ± 0.45" in table and "Where and why ours may differ" in table
 
@@ -96,7 +99,7 @@ def test_a_small_table_end_to_end_and_continued(tmp_path):
 
     again = run_flock(args, tmp_path)  # the same command continues: nothing runs again
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "4 of 4 runs finished" in again.stderr
+    assert "4 of 4 runs finished" in again.stderr and "repro: run" not in again.stderr  # nothing ran: no estimate
     assert json.loads(again.stdout.strip().splitlines()[-1])["cells"] == out["cells"]
 
 
@@ -129,3 +132,84 @@ def test_a_part_of_a_table_has_its_own_folder_and_continues_there(tmp_path, monk
     assert part.name.startswith("pfllib_fmnist-cpu-part-") and len({whole, part, other}) == 3
     assert plan(["Ditto"], ["pathological"]).out == part
     assert plan(list(repro.load_table("pfllib_fmnist").rows), None).out == whole  # every row = the whole table
+
+
+# ---------------------------------------------------------------------- before it runs: size, data, time
+
+
+def _tiny_table(tmp_path, monkeypatch, dataset: dict, budgets=None) -> None:
+    """configs/repro/tiny.yaml in a temp TABLES_DIR: 2 rows × 2 columns, one of which only one row
+    takes (3 cells), 2 seeds."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "tiny.yaml").write_text(yaml.safe_dump({
+        "title": "tiny", "paper": "p", "notes": ["n"], "seeds": [0, 1],
+        "base": {"dataset": dataset, "partition": {"scheme": "iid", "num_clients": 4}, "model": {"name": "mclr"},
+                 "train": {"rounds": 1, "clients_per_round": 2}, "tracking": {"enabled": False}},
+        "rows": {"FedAvg": {"algorithm": {"name": "fedavg"}},
+                 "FedProx": {"algorithm": {"name": "fedprox"}, "only_columns": ["a"]}},
+        "columns": {"a": {"partition": {"num_clients": 4}}, "b": {"partition": {"num_clients": 2}}},
+        "budgets": budgets or {"paper": {}, "cpu": {"train": {"rounds": 1}}},
+        "published": {"src": {"FedAvg": {"a": 1.0}}}}))
+    monkeypatch.setattr(repro, "TABLES_DIR", tables)
+    monkeypatch.chdir(tmp_path)
+
+
+def test_the_count_line_names_cells_seeds_runs_and_budget(tmp_path, monkeypatch):
+    _tiny_table(tmp_path, monkeypatch, {"name": "digits"})
+    plan = repro.plan_repro("tiny", None, None, None, None, [], "params.yaml")
+    assert repro.count_line(plan).startswith("3 cells × 2 seeds = 6 runs at budget 'paper' (the table's default); "
+                                             "other budgets: cpu (--budget)")
+    one = repro.plan_repro("tiny", "cpu", [0], ["FedAvg"], ["a"], [], "params.yaml")
+    assert repro.count_line(one).startswith("1 cell × 1 seed = 1 run at budget 'cpu'; other budgets: paper")
+    assert repro.missing_data(plan) is None  # digits is bundled
+
+
+def test_the_estimate_after_the_first_run(tmp_path, monkeypatch):
+    _tiny_table(tmp_path, monkeypatch, {"name": "digits"})
+    plan = repro.plan_repro("tiny", None, None, None, None, [], "params.yaml")
+    first = plan.sweep.children[0]
+    first.summary = {"sweep_wall_s": 42.0}
+    line = repro.estimate_line(plan, first, done=1, left=5)
+    assert line.startswith("repro: run 1/6 (FedAvg | a seed=0) took 42 s; at that pace the table needs about "
+                           "4 min at budget 'paper', 4 min more for the 5 runs left")
+    first.summary = {"sweep_wall_s": 3600.0}  # an hour a run, 3 at a time: 6 runs = 2 h, 5 left = 100 min
+    assert "needs about 2.0 h at budget 'paper', 100 min more for the 5 runs left (3 at a time)" in \
+        repro.estimate_line(plan, first, done=1, left=5, parallel=3)
+    assert repro._duration(3 * 86400) == "3.0 days"
+
+
+def test_missing_data_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch):
+    """A table whose dataset is not where the loader looks: the check names the dataset, the
+    places searched and the apt-get command; an npz path that does not exist names the path."""
+    from flockfl.data import datasets
+
+    monkeypatch.setitem(datasets.SYSTEM_DIRS, "fashion_mnist", str(tmp_path / "no-such-dir"))
+    _tiny_table(tmp_path, monkeypatch, {"name": "fashion_mnist", "path": str(tmp_path / "nowhere")})
+    plan = repro.plan_repro("tiny", None, [0], None, None, [], "params.yaml")
+    msg = repro.missing_data(plan)
+    assert msg and "\n" not in msg
+    assert msg.startswith("table 'tiny' cannot start: 3 of its 3 cells need data that is missing (fashion_mnist: IDX "
+                          "files not found in ")
+    assert str(tmp_path / "nowhere") in msg and "apt-get update && apt-get install -y dataset-fashion-mnist" in msg
+    npz = repro.plan_repro("tiny", None, [0], ["FedAvg"], None, ["dataset.name=npz", "dataset.path=nope.npz"],
+                           "params.yaml")
+    assert repro.missing_data(npz) == ("table 'tiny' cannot start: 2 of its 2 cells need data that is missing (npz: no "
+                                       "file 'nope.npz'; set dataset.path (--set dataset.path=FILE.npz) to an existing .npz)")
+
+
+def test_the_cli_refuses_a_table_without_its_data_and_dry_run_says_so(tmp_path):
+    """Through the real command: a missing dataset is exit 2 and one line, before any run;
+    --dry-run prints the count and the data's state and exits 0."""
+    args = ["repro", "niid_bench_fmnist", "--rows", "FedAvg", "--columns", "IID", "--seeds", "0",
+            "--set", "dataset.name=npz", "--set", "dataset.path=missing/data.npz"]
+    dry = run_flock([*args, "--dry-run"], tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert "1 cell × 1 seed = 1 run at budget 'paper' (the table's default)" in dry.stdout
+    assert "data: table 'niid_bench_fmnist' cannot start: 1 of its 1 cells need data that is missing (npz: no file " \
+           "'missing/data.npz'" in dry.stdout
+    res = run_flock(args, tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot start" in lines[0] and "missing/data.npz" in lines[0], res.stderr
+    assert not (tmp_path / "runs" / "repro").exists() or not list((tmp_path / "runs" / "repro").rglob("sweep.json"))
