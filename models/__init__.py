@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable
 
 import torch
 from torch import nn
+
+from flockfl.plugins import Registry
 
 
 def _flat_dim(input_shape: tuple[int, ...]) -> int:
@@ -191,9 +192,14 @@ def linear(input_shape: tuple[int, ...], num_outputs: int = 1, hidden: int = 0) 
     return nn.Sequential(nn.Flatten(), nn.Linear(_flat_dim(input_shape), num_outputs, bias=False))
 
 
-MODELS: dict[str, Callable[..., nn.Module]] = {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "lenet5_padded": lenet5_padded,
-                                               "linear": linear, "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn,
-                                               "pfllib_cnn": pfllib_cnn, "pfl_cnn": pfl_cnn}
+def _check_builder(name: str, fn: object) -> str:
+    return "" if callable(fn) else f"{fn!r} is not a function (input_shape, num_outputs, hidden) -> nn.Module"
+
+
+# the registry of ``model.name``: the built-ins, then the plugins' (flockfl.plugins.register_model)
+MODELS: Registry = Registry("model", {"mclr": mclr, "mlp": mlp, "lenet5": lenet5, "lenet5_padded": lenet5_padded,
+                                      "linear": linear, "lenet5_bn": lenet5_bn, "cnn_bn": cnn_bn,
+                                      "pfllib_cnn": pfllib_cnn, "pfl_cnn": pfl_cnn}, check=_check_builder)
 
 
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, hidden: int = 200) -> nn.Module:

@@ -22,7 +22,7 @@ from flockfl.algorithms.ifca import IFCA
 from flockfl.algorithms.ifca_oneshot import IFCAOneShot
 from flockfl.algorithms.local import Local
 from flockfl.algorithms.pacfl import PACFL
-from flockfl.algorithms.hyper import declared
+from flockfl.algorithms.hyper import Hyper, declared
 from flockfl.algorithms.scaffold import Scaffold
 from flockfl.algorithms.fedbabu import FedBABU
 from flockfl.algorithms.fedbn import FedBN
@@ -33,13 +33,27 @@ from flockfl.algorithms.ditto import Ditto
 from flockfl.algorithms.apfl import APFL
 from flockfl.algorithms.perfedavg import PerFedAvg
 from flockfl.algorithms.pfedme import PFedMe
+from flockfl.plugins import Registry
 
-ALGORITHMS: dict[str, type[Algorithm]] = {
+
+def _check_algorithm(name: str, cls: object) -> str:
+    """What is wrong with ``cls`` as the algorithm ``name`` ("" when nothing is)."""
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        return f"{cls!r} is not a subclass of flockfl.algorithms.base.Algorithm"
+    if cls.name != name:
+        return f"its class attribute name is {cls.name!r}"
+    if not all(isinstance(h, Hyper) for h in cls.__dict__.get("hyperparameters", ())):
+        return "its hyperparameters must be Hyper declarations (flockfl.algorithms.hyper: real, integer, choice, text)"
+    return ""
+
+
+# the registry of ``algorithm.name``: the built-ins, then the plugins' (flockfl.plugins.register_algorithm)
+ALGORITHMS: Registry = Registry("algorithm", {
     cls.name: cls
     for cls in (FedAvg, FedSGD, IFCA, FedProx, FedNova, Scaffold, FedAdam, FedAdagrad, FedYogi, FedAvgM, FedSplit, FedEff,
                 CCFL, PACFL, FLISDC, FLISHC, FedSC, Local, IFCAOneShot, DIFCA, FedCluster, FedAC, FlexCFL, FeSEM, CFL, CFLPACFL,
                 FedPer, LGFedAvg, FedRep, FedBABU, FedBN, Ditto, APFL, PerFedAvg, PFedMe)
-}
+}, check=_check_algorithm)
 
 
 def build_algorithm(cfg) -> Algorithm:
@@ -62,9 +76,10 @@ def overridden_stages(cls: type[Algorithm]) -> list[str]:
 def describe(name: str) -> dict:
     """What ``flockfl list ALGORITHM`` shows: the paper, the hyper-parameters (with where each
     default comes from: ``source`` is one of :data:`~flockfl.algorithms.hyper.SOURCES` or ""
-    where none is recorded, ``source_note`` which table, script or value) and the stages."""
+    where none is recorded, ``source_note`` which table, script or value), the stages, and
+    ``origin``: ``built-in`` or the plugin that registered it."""
     cls = ALGORITHMS[name]
-    return {"name": name, "paper": cls.paper, "stages": overridden_stages(cls),
+    return {"name": name, "paper": cls.paper, "origin": ALGORITHMS.origin(name), "stages": overridden_stages(cls),
             "hyperparameters": [{"key": f"algorithm.{h.name}", "default": h.default, "allowed": h.allowed(),
                                  "symbol": h.symbol, "source": h.source, "source_note": h.note, "meaning": h.meaning}
                                 for h in declared(cls).values()]}
@@ -79,7 +94,7 @@ def _default_cell(h: dict) -> str:
 def algorithm_table() -> str:
     """docs/algorithms.md's algorithm table, generated from the declarations (a test keeps it in step)."""
     lines = ["| name | paper | hyper-parameters (default, its source) | stages it overrides |", "|---|---|---|---|"]
-    for name in ALGORITHMS:
+    for name in ALGORITHMS.builtins():  # flockfl's own (a plugin's are not in its docs)
         d = describe(name)
         keys = ", ".join(f"`{h['key'].split('.', 1)[1]}` {_default_cell(h)}" for h in d["hyperparameters"])
         lines.append(f"| `{name}` | {d['paper']} | {keys} | {', '.join(d['stages']) or '– (FedAvg)'} |")
@@ -90,8 +105,8 @@ def sources_table() -> str:
     """docs/algorithms.md's table of where the defaults come from: one row per key of every
     algorithm whose keys all record a source (the seed methods), with the note."""
     lines = ["| algorithm | key | default | source | which value, where |", "|---|---|---|---|---|"]
-    for name, cls in ALGORITHMS.items():
-        decl = declared(cls).values()
+    for name in ALGORITHMS.builtins():
+        decl = declared(ALGORITHMS[name]).values()
         if not all(h.source for h in decl):
             continue
         for h in decl:

@@ -26,6 +26,7 @@ import numpy as np
 
 from flockfl.errors import ConfigError
 from flockfl.config import DatasetConfig
+from flockfl.plugins import Registry
 from flockfl.rng import np_rng
 
 
@@ -321,8 +322,13 @@ def load_mix(cfg: DatasetConfig, seed: int) -> Dataset:
     )
 
 
-# the registry of ``dataset.name`` (the schema's list is checked against it by the tests)
-LOADERS: dict[str, Callable[[DatasetConfig, int, Optional[int]], Dataset]] = {
+def _check_loader(name: str, fn: object) -> str:
+    return "" if callable(fn) else f"{fn!r} is not a function (cfg: DatasetConfig, seed, num_clients) -> Dataset"
+
+
+# the registry of ``dataset.name`` (the schema's list is checked against its built-ins by the tests), then the
+# plugins' (flockfl.plugins.register_dataset)
+LOADERS: Registry = Registry("dataset", {
     "digits": lambda cfg, seed, n: load_digits(cfg, seed),
     "fashion_mnist": lambda cfg, seed, n: load_idx_dataset(cfg, seed),
     "mnist": lambda cfg, seed, n: load_idx_dataset(cfg, seed),
@@ -330,7 +336,7 @@ LOADERS: dict[str, Callable[[DatasetConfig, int, Optional[int]], Dataset]] = {
     "synthetic_linreg": make_synthetic_linreg,
     "mix": lambda cfg, seed, n: load_mix(cfg, seed),
     "synthetic_fedprox": make_synthetic_fedprox,
-}
+}, check=_check_loader)
 
 
 def load_dataset(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Dataset:

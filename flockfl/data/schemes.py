@@ -14,9 +14,16 @@ from flockfl.data.partition import (Partition, largest_remainder, partition_diri
                                     partition_shards, partition_shards_pct, split_local)
 from flockfl.data.superclusters import partition_mix, partition_sc_dir, partition_sc_niid
 from flockfl.errors import ConfigError
+from flockfl.plugins import Registry
 from flockfl.rng import np_rng
 
-SCHEMES = {
+
+def _check_scheme(name: str, fn: object) -> str:
+    return "" if callable(fn) else f"{fn!r} is not a function (ds: Dataset, cfg: PartitionConfig, seed) -> Partition"
+
+
+# the registry of ``partition.scheme``: the built-ins, then the plugins' (flockfl.plugins.register_scheme)
+SCHEMES: Registry = Registry("scheme", {
     "iid": partition_iid,
     "dirichlet": partition_dirichlet,
     "shards": partition_shards,
@@ -28,7 +35,7 @@ SCHEMES = {
     "sc_dir": partition_sc_dir,
     "mix": partition_mix,
     "pfllib_pat": partition_pfllib_pat,
-}
+}, check=_check_scheme)
 
 
 # ---------------------------------------------------------------------- server hold-out
