@@ -19,11 +19,32 @@ from typing import Any, Literal, Optional, get_args
 
 from flockfl.errors import ConfigError, did_you_mean
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from flockfl import plugins
 
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _or_plugin(kind: str, section: type[BaseModel], value: Any, handler: Any, field: str) -> Any:
+    """A name the field's Literal spells out (flockfl's built-ins), or one a plugin registered
+    (``flockfl.plugins``: entry points, ``FLOCKFL_PLUGINS``), loaded at the first name that is
+    not a built-in. An unknown name is the Literal's error, the plugins' names listed too."""
+    try:
+        return handler(value)
+    except ValidationError as err:
+        if not isinstance(value, str) or err.errors()[0]["type"] != "literal_error":
+            raise
+        extra = plugins.names(kind)
+        if value in extra:
+            return value
+        known = [repr(n) for n in (*get_args(section.model_fields[field].annotation), *extra)]
+        raise PydanticCustomError("literal_error", "Input should be {expected} (a plugin's name needs its plugin: "
+                                  f"{plugins.ENV}=module or an installed package, docs/plugins.md)",
+                                  {"expected": ", ".join(known[:-1]) + " or " + known[-1]}) from None
 
 
 class DatasetConfig(_Section):
@@ -64,6 +85,11 @@ class DatasetConfig(_Section):
     normalize_std: Optional[list[float]] = Field(
         None, description="per_channel: each image channel's standard deviation (e.g. [0.3081]); null = the training "
                           "set's own")
+
+    @field_validator("name", mode="wrap")
+    @classmethod
+    def _plugin_dataset(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _or_plugin("dataset", cls, value, handler, info.field_name)
 
 
 # generator choices and the schemes they shape: ``partition_key`` records each (defaults resolved) for those
@@ -163,6 +189,12 @@ class PartitionConfig(_Section):
             out.pop("local_test_fraction")
         return out
 
+    @field_validator("scheme", "difficulty_model", mode="wrap")
+    @classmethod
+    def _plugin_scheme(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        kind = "scheme" if info.field_name == "scheme" else "model"
+        return _or_plugin(kind, cls, value, handler, info.field_name)
+
 
 class ModelConfig(_Section):
     # lenet5: thesis Table 3.17 (valid 5×5 convs: 256 FC inputs on 28×28, NIID-Bench's CNN too); lenet5_padded:
@@ -175,13 +207,19 @@ class ModelConfig(_Section):
     hidden: int = Field(200, ge=1, description="mlp: hidden units (IFCA's MNIST model is 784-200-10); the other "
                                                "models ignore it")
 
+    @field_validator("name", mode="wrap")
+    @classmethod
+    def _plugin_model(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        return _or_plugin("model", cls, value, handler, info.field_name)
+
 
 REGRESSION_MODELS = ("linear",)
 
 
 def classifier_list() -> str:
     """The classifier models of ``model.name`` (every model but the regression ones), for messages."""
-    names = [m for m in get_args(ModelConfig.model_fields["name"].annotation) if m not in REGRESSION_MODELS]
+    names = [m for m in (*get_args(ModelConfig.model_fields["name"].annotation), *plugins.names("model"))
+             if m not in REGRESSION_MODELS]
     return ", ".join(names[:-1]) + " or " + names[-1]
 
 
@@ -430,11 +468,12 @@ class ExperimentConfig(_Section):
             given = getattr(self.system, key)
             if given is not None and ((n is not None and len(given) != n) or min(given) <= 0):
                 raise ValueError(f"system.{key}: needs {n} positive values, one per client")
-        # regression or classification: known here for the built-in datasets; an npz file's
-        # labels decide it when the data is loaded (flockfl.rounds.check_task)
+        # regression or classification: known here for the built-in datasets; an npz file's (and a
+        # plugin dataset's) labels decide it when the data is loaded (flockfl.rounds.check_task)
         if self.dataset.name == "synthetic_linreg" and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
-        if self.dataset.name not in ("synthetic_linreg", "npz") and self.model.name == "linear":
+        builtin = get_args(DatasetConfig.model_fields["name"].annotation)
+        if self.dataset.name in builtin and self.dataset.name not in ("synthetic_linreg", "npz") and self.model.name == "linear":
             raise ValueError(f"model.name: 'linear' is a regression model; dataset {self.dataset.name!r} needs a classifier ({classifier_list()})")
         if self.dataset.name == "npz" and not self.dataset.path:
             raise ValueError("dataset.path: the npz dataset needs a file; set dataset.path=/path/to/data.npz")
