@@ -53,7 +53,7 @@ class DatasetConfig(_Section):
                               "files), npz (your own arrays), synthetic_linreg, synthetic_fedprox or mix")
     path: Optional[str] = Field(None, description=(  # npz file, or a directory holding IDX files
         "npz: the .npz file (required); fashion_mnist / mnist: the folder searched first for the IDX files; "
-        "mix: the folder holding one <source>/ folder per IDX source"))
+        "mix: the folder holding one <source>/ folder per IDX source; a relative path is read from the project root"))
     # mix: every source is one ground-truth group with its own 10 labels (offset 10 per source);
     # None = fashion_mnist and digits (brought to 28×28), plus mnist when its files are present
     sources: Optional[list[Literal["fashion_mnist", "mnist", "digits"]]] = None
@@ -406,7 +406,9 @@ class EvalConfig(_Section):
 
 class TrackingConfig(_Section):
     enabled: bool = Field(True, description="log the run to MLflow")
-    uri: Optional[str] = None  # default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
+    uri: Optional[str] = Field(None, description=(  # default: MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the cwd
+        "the MLflow store (--tracking-uri wins); null = MLFLOW_TRACKING_URI, else sqlite:///mlflow.db at the project "
+        "root (the current folder outside a project)"))
     experiment: Optional[str] = None  # MLflow experiment name; default: the experiment name
     register_model: bool = Field(True, description="register the final models in the MLflow model registry")
     plots: bool = Field(True, description="draw the run's plots and log them as artifacts")
