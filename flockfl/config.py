@@ -414,7 +414,10 @@ class TrackingConfig(_Section):
     plots: bool = Field(True, description="draw the run's plots and log them as artifacts")
     # how mlflow.pytorch saves the final models: pt2 (torch.export, portable, loads as a
     # GraphModule) or pickle (loads as the flockfl model class; ~3 s less per process)
-    model_format: Literal["pt2", "pickle"] = "pt2"
+    model_format: Literal["pt2", "pickle"] = Field(
+        "pt2", description="how the final models are saved: pt2 (torch.export: portable, loads as a GraphModule, "
+                           "inference only) or pickle (loads as the flockfl model class, which trains; spares "
+                           "torch.export's seconds per process)")
 
 
 class ExecutorConfig(_Section):
