@@ -295,7 +295,7 @@ def test_a_name_a_built_in_has_is_an_error(kind, code, tmp_path, monkeypatch, cl
                           f"{kind} of that name; give yours another name")
 
 
-def test_a_name_taken_twice_and_an_inherited_name_are_errors(tmp_path, monkeypatch, clean):
+def test_a_name_taken_twice_an_inherited_name_and_an_unknown_family_are_errors(tmp_path, monkeypatch, clean):
     monkeypatch.chdir(tmp_path)
     for m in ("first_plugin", "second_plugin"):
         (tmp_path / f"{m}.py").write_text("from flockfl.plugins import register_model\n\n@register_model(name='twin')\n"
@@ -309,6 +309,14 @@ def test_a_name_taken_twice_and_an_inherited_name_are_errors(tmp_path, monkeypat
                                              "@register_algorithm\nclass Lazy(FedAvg):\n    pass\n")
     monkeypatch.setenv(clean.ENV, "lazy_plugin")
     assert "algorithm class Lazy inherits name='fedavg'; give it its own class attribute name" in _plugin_error(clean)
+    clean._forget()
+    (tmp_path / "odd_plugin.py").write_text("from flockfl.algorithms.fedavg import FedAvg\n"
+                                            "from flockfl.plugins import register_algorithm\n\n"
+                                            "@register_algorithm\nclass Odd(FedAvg):\n    name = 'odd'\n"
+                                            "    family = 'robust'\n")
+    monkeypatch.setenv(clean.ENV, "odd_plugin")
+    assert _plugin_error(clean) == ("plugin 'odd_plugin' (FLOCKFL_PLUGINS): algorithm 'odd': its family is 'robust'; "
+                                    "set family to one of global, clustered, personalised (how flockfl list groups it)")
 
 
 def test_an_entry_point_whose_name_is_not_the_algorithm_s(tmp_path, monkeypatch, clean):

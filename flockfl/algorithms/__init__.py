@@ -36,12 +36,17 @@ from flockfl.algorithms.pfedme import PFedMe
 from flockfl.plugins import Registry
 
 
+FAMILIES = ("global", "clustered", "personalised")  # Algorithm.family: how `flockfl list` groups methods
+
+
 def _check_algorithm(name: str, cls: object) -> str:
     """What is wrong with ``cls`` as the algorithm ``name`` ("" when nothing is)."""
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         return f"{cls!r} is not a subclass of flockfl.algorithms.base.Algorithm"
     if cls.name != name:
         return f"its class attribute name is {cls.name!r}"
+    if cls.family not in FAMILIES:
+        return f"its family is {cls.family!r}; set family to one of {', '.join(FAMILIES)} (how flockfl list groups it)"
     if not all(isinstance(h, Hyper) for h in cls.__dict__.get("hyperparameters", ())):
         return "its hyperparameters must be Hyper declarations (flockfl.algorithms.hyper: real, integer, choice, text)"
     return ""
