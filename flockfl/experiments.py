@@ -102,7 +102,8 @@ def _check_registered(cfg: ExperimentConfig) -> None:
     cls = ALGORITHMS.get(cfg.algorithm.name)
     if cls is None:
         raise ValueError(f"algorithm.name: unknown algorithm {cfg.algorithm.name!r}{did_you_mean(cfg.algorithm.name, ALGORITHMS)}; "
-                         f"choose one of {', '.join(sorted(ALGORITHMS))} (flockfl list algorithms)")
+                         f"choose one of {', '.join(sorted(ALGORITHMS))} (flockfl list algorithms; a plugin's method "
+                         "needs its package installed or FLOCKFL_PLUGINS set: docs/plugins.md)")
     resolved = resolve(cls, cfg.algorithm.hyper(), ALGORITHMS)
     extra = cfg.algorithm.__pydantic_extra__
     extra.clear()
@@ -233,7 +234,9 @@ def load_experiment(
     raw = deep_merge(switch_algorithm(raw, over, notices.append), over)
     raw = resolve_partition_ref(raw, params)
     cfg = validate(raw)
-    for note in notices:  # only for a config that loads: an error stays one line
+    from flockfl.algorithms import ALGORITHMS
+
+    for note in [*notices, *ALGORITHMS[cfg.algorithm.name].notes(cfg)]:  # only for a config that loads
         _notice(note)
     return cfg
 

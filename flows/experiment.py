@@ -130,7 +130,11 @@ def open_tracking(cfg: ExperimentConfig, run_dir: Path, uri: str, parent_run_id:
     if not cfg.tracking.enabled:
         return None
     run_id = read_run_file(run_dir).get("mlflow_run_id")
-    tags = {"flockfl.run_dir": str(run_dir.resolve()), "flockfl.config_sha256": cfg.digest()}
+    tags = {"flockfl.run_dir": str(run_dir.resolve()), "flockfl.config_sha256": cfg.digest(),
+            "flockfl.algorithm": cfg.algorithm.name}
+    notes = _notes(cfg)
+    if notes:  # what the configuration makes of the method (k=1: FedAvg), beside its results
+        tags["flockfl.notes"] = " | ".join(notes)
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id  # a nested run (sweeps, comparisons)
     tags.update(run_tags or {})
@@ -141,6 +145,12 @@ def open_tracking(cfg: ExperimentConfig, run_dir: Path, uri: str, parent_run_id:
 
     return BackgroundTracker(uri, cfg.tracking.experiment or cfg.name, run_name or run_dir.name, run_id=run_id,
                              params=cfg.to_flat(), tags=tags, on_open=record)
+
+
+def _notes(cfg: ExperimentConfig) -> list[str]:
+    from flockfl.algorithms import ALGORITHMS
+
+    return ALGORITHMS[cfg.algorithm.name].notes(cfg)
 
 
 def task_stages(remote: Optional["DaskTraining"] = None) -> rounds.Stages:
@@ -364,6 +374,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "run_dir": str(run_path),
         "experiment": cfg.name,
         "algorithm": cfg.algorithm.name,
+        **({"notes": _notes(cfg)} if _notes(cfg) else {}),
         "rounds": state.round,
         "resumed_from_round": resumed_from,
         "metrics": summary["metrics"],
@@ -475,7 +486,7 @@ def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str]
             progress: Union[bool, str] = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
             run_tags: Optional[dict] = None, run_name: Optional[str] = None, wait: bool = True) -> dict:
     """Run or resume ``cfg`` in ``run_dir``: what ``flockfl run``, ``flockfl resume``, a sweep's
-    child and a scheduled run all do. A fresh run first builds its partition (before Prefect:
+    child and a scheduled run all do. A fresh run first builds its partition (before the flow:
     data errors are one line) and writes run.json; the metrics also go to ``metrics_file``
     (for DVC) when given here or in run.json. ``wait``: see :func:`run_experiment`."""
     import datetime as dt

@@ -43,24 +43,66 @@ def test_partitions_cover_the_model_by_module_type():
     assert resolve_layers(build_model("mlp", (1, 8, 8), 10, 16), "bn") == []
 
 
-@pytest.mark.parametrize("name,over", [
-    ("fedper", {"personal_layers": "none"}),
-    ("lg_fedavg", {"global_layers": "all"}),
-    ("fedrep", {"personal_layers": "none", "head_epochs": 0, "body_epochs": 1}),
-    ("fedbabu", {"personal_layers": "none", "weighting": "samples", "finetune_epochs": 0}),
-    ("fedbn", {"weighting": "samples"}),  # mlp: no BN
-])
-def test_no_personal_layers_is_fedavg(name, over, tmp_path):
+DEGENERATE = [
+    ("fedper", {"personal_layers": "none"}, "algorithm.personal_layers=none leaves no trained layer personal"),
+    ("lg_fedavg", {"global_layers": "all"}, "algorithm.global_layers=all leaves no trained layer personal"),
+    ("lg_fedavg", {}, "algorithm.global_layers=top:2 leaves no trained layer personal on model mlp"),  # LG's default
+    ("fedrep", {"personal_layers": "none", "head_epochs": 0, "body_epochs": 1}, "fedrep would be FedAvg"),
+    ("fedbabu", {"personal_layers": "none", "weighting": "samples", "finetune_epochs": 0}, "fedbabu would be FedAvg"),
+    ("fedbn", {"weighting": "samples"}, "use a model with BatchNorm layers"),  # mlp: no BN
+]
+
+
+@pytest.mark.parametrize("name,over,needle", DEGENERATE, ids=[f"{d[0]}-{i}" for i, d in enumerate(DEGENERATE)])
+def test_a_split_with_nothing_personal_refuses_in_one_line(name, over, needle):
+    """No silent degeneration: a split that leaves nothing personal runs FedAvg under another
+    method's name, so it is refused, naming the key to change."""
+    from flockfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=needle) as err:
+        cfg_of(name, algorithm=over)
+    assert "\n" not in str(err.value) and "would be FedAvg" in str(err.value)
+
+
+@pytest.mark.parametrize("name,over", [(n, o) for n, o, _ in DEGENERATE if o or n == "fedbn"],
+                         ids=[n for n, o, _ in DEGENERATE if o or n == "fedbn"])
+def test_no_personal_layers_is_fedavg(name, over, tmp_path, monkeypatch):
+    """The sanity limit behind the refusal: with the check lifted, the maths is FedAvg's bit for bit."""
+    from flockfl.algorithms import ALGORITHMS
+
     _, ref = run(cfg_of("fedavg", train={"eval_finetune": "off"}), tmp_path / "a")
+    monkeypatch.setattr(ALGORITHMS[name], "check_config", classmethod(lambda cls, cfg: None))
     _, got = run(cfg_of(name, algorithm=over, train={"eval_finetune": "off"}), tmp_path / "b")
     for k in ref.models:
         assert torch.equal(ref.models[k], got.models[k]), k
     assert got.history[-1]["bytes_up"] == ref.history[-1]["bytes_up"]
 
 
-def test_lg_without_global_layers_is_local_and_silent(tmp_path):
-    _, st = run(cfg_of("lg_fedavg", algorithm={"global_layers": "none"}, train={"rounds": 1, "eval_finetune": "off"}), tmp_path)
+def test_lg_without_global_layers_refuses_as_local_training(tmp_path, monkeypatch):
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="makes every trained layer of model mlp personal: lg_fedavg would be local "
+                                          r"training \(algorithm.name=local\); set algorithm.global_layers"):
+        cfg_of("lg_fedavg", algorithm={"global_layers": "none"})
+    monkeypatch.setattr(ALGORITHMS["lg_fedavg"], "check_config", classmethod(lambda cls, cfg: None))
+    _, st = run(cfg_of("lg_fedavg", algorithm={"global_layers": "none"}, train={"rounds": 1, "eval_finetune": "off"}),
+                tmp_path)
     assert st.history[-1]["bytes_total"] == 0
+
+
+def test_one_cluster_runs_and_says_it_is_fedavg(capsys):
+    """k = 1 is a legitimate limit of the clustered methods (a sanity check): it runs, and the
+    note reaches the user (stderr at load, the summary's ``notes``, the MLflow tag)."""
+    from flockfl.algorithms import ALGORITHMS
+    from flockfl.experiments import validate
+
+    for name in ("ifca", "ifca_oneshot", "flexcfl", "fesem", "fedsc", "fedcluster"):
+        cfg = validate(tiny_config(algorithm={"name": name, "k": 1}))
+        assert ALGORITHMS[name].notes(cfg) == [f"algorithm.k=1: one cluster, so {name} runs as FedAvg "
+                                                "(set algorithm.k >= 2 to cluster)"]
+        assert ALGORITHMS[name].notes(validate(tiny_config(algorithm={"name": name, "k": 2}))) == []
+    assert ALGORITHMS["fedac"].notes(validate(tiny_config(algorithm={"name": "fedac", "k": 1}))) == []  # k grows
 
 
 @pytest.mark.parametrize("name,model,over", [

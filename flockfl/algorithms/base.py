@@ -64,6 +64,20 @@ class Algorithm:
         Each hyper-parameter's own range is declared in ``hyperparameters`` and checked
         before this is called."""
 
+    # the algorithm.k at which this method is FedAvg (one cluster, one model): it still runs (a
+    # legitimate limit, e.g. a sanity check), and says so (:meth:`notes`)
+    one_cluster_is_fedavg = False
+
+    @classmethod
+    def notes(cls, cfg: ExperimentConfig) -> list[str]:
+        """What a valid configuration makes of this method that a reader of its results must know
+        (a legitimate limit where it becomes another method): shown in the run's summary and on
+        its MLflow run (``flockfl.notes``)."""
+        k = getattr(cfg.algorithm, "k", None)
+        if cls.one_cluster_is_fedavg and isinstance(k, int) and k == 1:
+            return [f"algorithm.k=1: one cluster, so {cls.name} runs as FedAvg (set algorithm.k >= 2 to cluster)"]
+        return []
+
     def input_files(self) -> dict[str, str]:
         """The files this configuration needs, ``algorithm.*`` key → path (IFCA's init=given):
         the run's preparation reads each (``torch.load``) into ``ctx.inputs[key]``."""

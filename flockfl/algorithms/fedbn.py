@@ -50,8 +50,15 @@ class FedBN(PartialSharing):
     )
 
     @classmethod
-    def check_config(cls, cfg) -> None:
-        """Nothing to check: the partition is ``bn`` or every norm layer, whatever the model."""
+    def split_key(cls, cfg) -> str:
+        return f"algorithm.local_norm={cfg.algorithm.local_norm}"
+
+    @classmethod
+    def degenerate_fix(cls, cfg, missing: str) -> str:
+        if missing == "personal":  # a model without (batch) normalisation layers
+            return ("use a model with BatchNorm layers (model.name=lenet5_bn or cnn_bn), or algorithm.local_norm=all "
+                    "for a model with other normalisation layers")
+        return "use a model with shared layers besides its normalisation layers"
 
     def personal_names(self, model):
         if self.hp("local_norm") == "all":

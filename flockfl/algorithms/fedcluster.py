@@ -43,6 +43,7 @@ from flockfl.rng import np_rng
 
 class FedCluster(Algorithm):
     name = "fedcluster"
+    one_cluster_is_fedavg = True
     paper = "Chen, Chen, Zhou, Kailkhura, FedCluster: Boosting the Convergence of FL via Cluster-Cycling, arXiv 2009.10748"
     hyperparameters = (
         weighting("samples", source="paper", note="p_k = n_k / n"),

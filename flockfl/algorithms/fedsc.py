@@ -31,6 +31,7 @@ from flockfl.rng import np_rng
 class FedSC(Algorithm):
     name = "fedsc"
     family = "clustered"
+    one_cluster_is_fedavg = True
     paper = "Wang, Liu, Xu, Fu, FedSC: client-side clustering, Electronic Research Archive 31(9) 2023"
     hyperparameters = (
         weighting("samples", source="paper", note="§3.3: w − η Σ (|D_i|/n_S) Δw_i"),

@@ -73,6 +73,7 @@ class GroupedClients(Algorithm):
     round-robin selection, the shift detector, current-membership evaluation."""
 
     family = "clustered"
+    one_cluster_is_fedavg = True
 
     @property
     def num_models(self) -> int:

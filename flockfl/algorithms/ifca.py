@@ -89,6 +89,7 @@ from models import init_params
 class IFCA(Algorithm):
     name = "ifca"
     family = "clustered"
+    one_cluster_is_fedavg = True
     paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088"
     hyperparameters = (
         weighting("uniform", source="paper", note="Alg. 2 option II: unweighted per-cluster mean, as the MNIST/CIFAR "

@@ -46,6 +46,7 @@ class IFCAOneShot(OneShotClustering):
     """IFCA's one-shot clustering: k-means on the clients' local ERMs once, then FedAvg inside each cluster."""
 
     name = "ifca_oneshot"
+    one_cluster_is_fedavg = True
     paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088 (Alg. 1)"
     hyperparameters = (
         weighting("samples", source="paper", note="Alg. 1: FedAvg inside each cluster"),

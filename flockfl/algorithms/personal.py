@@ -127,8 +127,32 @@ class PartialSharing(Algorithm):
 
     @classmethod
     def check_config(cls, cfg) -> None:
+        """The layer spec must name layers of this model, and leave something personal and
+        something shared: otherwise the method is another one (FedAvg, or local training), and
+        a run under its name would compare that method under the wrong label."""
         model = build_model(cfg.model.name, (1, 28, 28), 2, cfg.model.hidden)
-        resolve_layers(model, getattr(cfg.algorithm, cls.layers_key), f"algorithm.{cls.layers_key}")
+        spec = getattr(cfg.algorithm, cls.layers_key, None)
+        if spec is not None:
+            resolve_layers(model, spec, f"algorithm.{cls.layers_key}")
+        trained = trained_names(model, [n for n, _ in model.named_parameters()])
+        personal = set(cls(cfg).personal_names(model))
+        key = cls.split_key(cfg)
+        if not personal & set(trained):
+            raise ValueError(f"{key} leaves no trained layer personal on model {cfg.model.name}: {cls.name} would be "
+                             f"FedAvg; {cls.degenerate_fix(cfg, 'personal')}")
+        if not set(trained) - personal:
+            raise ValueError(f"{key} makes every trained layer of model {cfg.model.name} personal: {cls.name} would be "
+                             f"local training (algorithm.name=local); {cls.degenerate_fix(cfg, 'shared')}")
+
+    @classmethod
+    def split_key(cls, cfg) -> str:
+        """The ``key=value`` that decides the split into personal and shared layers."""
+        return f"algorithm.{cls.layers_key}={getattr(cfg.algorithm, cls.layers_key)}"
+
+    @classmethod
+    def degenerate_fix(cls, cfg, missing: str) -> str:
+        """What to change when the split leaves nothing ``missing`` ('personal' or 'shared')."""
+        return f"set algorithm.{cls.layers_key} to leave some layers {missing} (e.g. head, top:1, bottom:1)"
 
     def personal_names(self, model: nn.Module) -> list[str]:
         chosen = resolve_layers(model, self.hp(self.layers_key), f"algorithm.{self.layers_key}")

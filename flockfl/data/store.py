@@ -155,7 +155,7 @@ def build_or_load(ds: Dataset, cfg: ExperimentConfig, root: str | Path = "data/p
 
 def build_partition(cfg: ExperimentConfig, root: str | Path = "data/partitions") -> tuple[Dataset, Partition, Path, bool]:
     """Load the data and build (or find) the partition: (dataset, partition, path, cached).
-    ``flockfl run`` calls it before Prefect starts, so that a missing dataset or an impossible
+    ``flockfl run`` calls it before the flow starts, so that a missing dataset or an impossible
     partition is one line, not a failed flow; the flow's partition task then loads the file."""
     ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
     return (ds, *build_or_load(ds, cfg, root))
