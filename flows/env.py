@@ -39,6 +39,12 @@ DEFAULTS = {
     # its conditional numerical reproducibility mode is on; a resumed process allocates at
     # other addresses, so without it a resumed run can differ in the last bits.
     "MKL_CBWR": "AUTO,STRICT",
+    # OpenMP (libgomp, torch's intra-op pool) threads sleep as soon as a parallel region ends
+    # instead of spinning for it: a spinning thread burns the core that another run on the
+    # machine (or this run's own Prefect and MLflow threads) needs. Read when torch loads, so
+    # configure_environment must run before the first `import torch`. The thread count and the
+    # results are unchanged.
+    "OMP_WAIT_POLICY": "PASSIVE",
 }
 
 
@@ -48,6 +54,8 @@ def configure_environment(verbose: bool = False, home: str | Path | None = None)
     if verbose:
         os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
     os.environ.setdefault("PREFECT_HOME", str(Path(home or Path.cwd() / ".prefect").resolve()))
+    if os.environ.get("OMP_WAIT_POLICY") == "":  # exported empty: OpenMP's own default (spin a while, then sleep)
+        del os.environ["OMP_WAIT_POLICY"]
     import warnings
 
     warnings.filterwarnings("ignore", message=".*local version label.*")

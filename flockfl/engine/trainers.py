@@ -346,21 +346,43 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
     return choice, {"reference_s_est": ref, "vectorized_s_est": vec, "vectorized_step_s": per_step}
 
 
+def resolve_threads(threads: int = 0) -> int:
+    """The intra-op thread count a run uses, without touching torch: ``train.threads`` when set;
+    else ``OMP_NUM_THREADS`` (its first value; capped by ``FLOCKFL_MAX_THREADS``); else the cores
+    this process may use, at most 4 and at most ``FLOCKFL_MAX_THREADS`` (``flockfl sweep
+    --parallel N`` shares the cores). Never the machine's load, nor the core lease
+    (``flockfl.cores``): the count changes the bits of some reductions."""
+    if threads:
+        return threads
+    cap = _positive(os.environ.get("FLOCKFL_MAX_THREADS"))
+    omp = _positive((os.environ.get("OMP_NUM_THREADS") or "").split(",")[0])
+    if omp:
+        return min(omp, cap) if cap else omp
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cap or 4, 4, cores))
+
+
+def _positive(text: str | None) -> int:
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        return 0
+    return n if n > 0 else 0
+
+
 def configure_threads(threads: int = 0) -> int:
-    """Set torch's intra-op threads deliberately (0 = the cores we may use, at most 4, and at
-    most ``FLOCKFL_MAX_THREADS`` when set: ``flockfl sweep --parallel N`` shares the cores), and
-    keep freed tensor memory for reuse (:func:`keep_freed_memory`).
+    """Set torch's intra-op threads deliberately (:func:`resolve_threads`), and keep freed tensor
+    memory for reuse (:func:`keep_freed_memory`).
 
     Measured (benchmarks/speed_table.py, 2-core CPU shared with other sessions): with another
     busy process, two threads were up to 70x slower than one on the plain loop and 6-20x on the
     W1 trainer (each small op waits for the descheduled second thread); on a quieter machine two
     threads were faster (W1 trainer 0.070 s a round vs 0.118 s at one). The default stays the cores: the
     thread count changes the bits of some reductions (the digest corpus, recorded at 2 threads,
-    fails at 1), and a choice by load would make a run's bits depend on the load. Set
-    ``train.threads: 1`` on a shared machine."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cap = int(os.environ.get("FLOCKFL_MAX_THREADS") or 4)
-    n = threads or max(1, min(cap, 4, cores))
+    fails at 1), and a choice by load would make a run's bits depend on the load. flockfl runs on
+    one machine take turns on the cores instead (``flockfl.cores``, docs/operations.md), and
+    OpenMP's threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE``, flows/env.py)."""
+    n = resolve_threads(threads)
     torch.set_num_threads(n)
     keep_freed_memory()
     return n
