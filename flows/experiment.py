@@ -22,7 +22,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote as Q
 
 import tasks
-from flockfl import rounds, training
+from flockfl import cores, rounds, training
 from flockfl.algorithms import auto
 from flockfl.config import ExperimentConfig
 from flockfl.engine import TrainResult
@@ -120,6 +120,37 @@ _CLOSING: dict[str, tuple[BackgroundTracker, Optional[Future]]] = {}
 
 def _key(run_dir) -> str:
     return str(Path(run_dir).resolve())
+
+
+_LEASES: dict[str, cores.Lease] = {}  # run dir -> its core lease, queued by execute, waited for by the flow
+
+
+def _request_cores(cfg: ExperimentConfig, run_dir) -> None:
+    """Queue for the cores of this run's threads (``flockfl.cores``; not on CUDA) while it sets up."""
+    import torch
+
+    from flockfl.engine.trainers import resolve_threads
+
+    if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
+        return
+    lease = cores.request(resolve_threads(cfg.train.threads), f"flockfl run {cfg.name}")
+    if lease:
+        _LEASES[_key(run_dir)] = lease
+
+
+def _wait_for_cores(run_dir, phases: dict) -> dict:
+    lease = _LEASES.get(_key(run_dir))
+    if lease is None:
+        return {"cores_wait_s": 0.0, "cores_queued_s": 0.0, "cores_leased": []}
+    with _timed(phases, "cores_wait"):
+        waited = lease.wait()
+    return {"cores_wait_s": waited, "cores_queued_s": lease.queued_s, "cores_leased": lease.granted}
+
+
+def _release_cores(run_dir) -> None:
+    lease = _LEASES.pop(_key(run_dir), None)
+    if lease:
+        lease.release()
 
 
 def open_tracking(cfg: ExperimentConfig, run_dir: Path, uri: str, parent_run_id: Optional[str] = None,
@@ -346,6 +377,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         overhead.append(periods[-1] - (tasks.BODY_SECONDS[0] - clock["body0"]))
         clock.update(t0=now, body0=tasks.BODY_SECONDS[0])
 
+    leased = _wait_for_cores(run_path, phases)  # the rounds start once this run's cores are free
     try:
         with _timed(phases, "drive"):
             clock["drive0"] = clock["t0"] = time.perf_counter()
@@ -365,6 +397,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
             tracker.finish("FAILED")
             tracker.close(raise_errors=False)
         raise
+    finally:
+        _release_cores(run_path)
     if tracker:
         _CLOSING[_key(run_path)] = (tracker, closing)
     summary = summarise(state, cfg.train.target_accuracy)
@@ -392,6 +426,9 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "engine": state.meta.get("engine"),
         "engine_reason": state.meta.get("engine_reason"),
         "threads": prep.threads,
+        # the core lease (flockfl.cores): cores_wait_s, how long the rounds waited for this run's cores;
+        # cores_queued_s, from the request (set-up went on meanwhile) to the grant; cores_leased, their CPU ids
+        **leased,
         "partition": str(prep.partition_path),
         "partition_sha256": prep.partition_hash,
         "partition_cached": prep.partition_cached,
@@ -505,8 +542,12 @@ def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str]
         info.update({"config": cfg.model_dump(), "tracking_uri": uri, "partitions_root": str(Path(partitions_root).resolve()),
                      "metrics_file": metrics_file, "created": dt.datetime.now().isoformat()})
         write_run_file(run_dir, info)
-    summary = run_experiment(cfg, run_dir, info.get("partitions_root", partitions_root), uri, progress=progress,
-                             parent_run_id=parent_run_id, run_tags=run_tags, run_name=run_name, wait=wait)
+    _request_cores(cfg, run_dir)  # in line for the cores while Prefect, the data and the model set up
+    try:
+        summary = run_experiment(cfg, run_dir, info.get("partitions_root", partitions_root), uri, progress=progress,
+                                 parent_run_id=parent_run_id, run_tags=run_tags, run_name=run_name, wait=wait)
+    finally:
+        _release_cores(run_dir)
     if info.get("metrics_file") or metrics_file:
         path = Path(info.get("metrics_file") or metrics_file)
         path.parent.mkdir(parents=True, exist_ok=True)
