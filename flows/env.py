@@ -38,7 +38,15 @@ DEFAULTS = {
     # Bit-identical resume: MKL (torch's CPU BLAS) picks kernels by memory alignment unless
     # its conditional numerical reproducibility mode is on; a resumed process allocates at
     # other addresses, so without it a resumed run can differ in the last bits.
-    "MKL_CBWR": "AUTO,STRICT",
+    "MKL_CBWR": "AVX2,STRICT",
+    # The same bits on every x86 machine with AVX2, not only on the one a run started on: MKL
+    # (above), oneDNN and ATen's own vectorised kernels otherwise each pick their code path by
+    # the CPU (AVX-512 on many Intel servers, AVX2 on AMD EPYC), and the last bits of a run, a
+    # resumed run or the digest corpus then depend on the machine (measured: the corpus recorded
+    # on one machine failed on an AMD EPYC at the same code; ATEN_CPU_CAPABILITY=default and
+    # MKL_CBWR=COMPATIBLE each change them again). A CPU without AVX2 falls back to its best path.
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "DNNL_MAX_CPU_ISA": "AVX2",
     # OpenMP (libgomp, torch's intra-op pool) threads sleep as soon as a parallel region ends
     # instead of spinning for it: a spinning thread burns the core that another run on the
     # machine (or this run's own Prefect and MLflow threads) needs. Read when torch loads, so
