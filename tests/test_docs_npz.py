@@ -60,8 +60,9 @@ def test_the_example_config_partitions_by_the_files_clients_and_runs_a_round(exa
 
 
 def test_the_refusals_the_doc_lists_are_one_line_errors(tmp_path):
-    """Each row of the doc's table of refusals that the loader raises (the ones raised by the
-    schema and the partition are tested in test_data.py and test_experiments.py)."""
+    """Rows of the doc's table of refusals that the loader raises (every other row the loader
+    raises is tested in test_npz_errors.py; the ones raised by the schema and the partition in
+    test_data.py and test_experiments.py)."""
     from flockfl.config import DatasetConfig
     from flockfl.data.datasets import load_npz
     from flockfl.errors import ConfigError

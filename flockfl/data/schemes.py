@@ -37,6 +37,28 @@ SCHEMES: Registry = Registry("scheme", {
     "pfllib_pat": partition_pfllib_pat,
 }, check=_check_scheme)
 
+# Docstrings of the built-in schemes whose functions (in flockfl.data.partition) have none; `flockfl list schemes`
+# prints each one's first sentence. A docstring written on the function itself takes precedence.
+_SCHEME_DOCS = {
+    partition_iid: """An equal random share of the training and test sets for every client (IID).
+
+    ``partition.client_sizes=uneven`` gives the training shares DIFCA's uneven sizes instead
+    (:func:`~flockfl.data.partition.uneven_sizes`); there is no ground-truth group.""",
+    partition_label_swap: """k groups of clients, each with its own fixed label permutation, over an IID split.
+
+    The clients are dealt as by ``iid`` and grouped in k contiguous blocks; group 0 keeps the labels,
+    group j ≥ 1 swaps labels 2(j−1) and 2(j−1)+1 (mod C) with ``label_swap_mode=pairs``, or applies a
+    random permutation with ``random_perm``. The group is the ground truth. Classification data only.""",
+    partition_natural: """The data's own clients: each sample goes to the client its id in the data names.
+
+    The ids are the dataset's ``client_train`` / ``client_test`` (an npz file's, or a synthetic
+    generator's devices), 0..n−1 with none missing; ``num_clients`` is n (another value is refused).
+    The ground-truth group is the dataset's ``group``, one per client, when it has one.""",
+}
+for _fn, _doc in _SCHEME_DOCS.items():
+    _fn.__doc__ = _fn.__doc__ or _doc
+del _fn, _doc
+
 
 # ---------------------------------------------------------------------- server hold-out
 
