@@ -132,29 +132,44 @@ def _check_test_split(cfg: ExperimentConfig) -> None:
                          "eval.test_set=proportional (each client's own local test split)")
 
 
-def _own_local_update(cfg: ExperimentConfig) -> str | None:
-    """What a client of this algorithm trains with instead of the trainers' SGD step (which is
-    where ``train.weight_decay`` and ``train.lr_schedule`` act), or None."""
+def _own_local_update(cfg: ExperimentConfig) -> dict[str, str]:
+    """The ``train.*`` optimiser terms (weight_decay, lr_schedule, momentum) a client of this
+    algorithm cannot take, each with the one-line reason and fix. A method whose client runs its
+    own loop honours the terms there (APFL's (v, α) loop and Per-FedAvg's meta-steps take all
+    three, pFedMe's Moreau loop the schedule); what remains has no counterpart in it."""
     name, hp = cfg.algorithm.name, cfg.algorithm.hyper()
-    own = {"apfl": "its own (v, α) loop", "pfedme": "its own Moreau-envelope loop", "perfedavg": "its own MAML step"}
-    if name == "fedsplit" and hp.get("prox") == "exact":
-        return "the exact prox solve (prox=exact)"
-    if name == "ifca" and hp.get("option") == "gradient":
-        return "one gradient step at train.lr (option=gradient)"
-    return own.get(name)
+    refused: dict[str, str] = {}
+    if (name == "fedsplit" and hp.get("prox") == "exact") or (name == "ifca" and hp.get("option") == "gradient"):
+        own = ("the exact prox solve (prox=exact)" if name == "fedsplit"
+               else "one gradient step at train.lr (option=gradient)")
+        for key, fix in (("weight_decay", "weight_decay=0"), ("lr_schedule", "lr_schedule=constant")):
+            refused[key] = (f"acts in the trainers' SGD step, but {name} trains each client with {own}; "
+                            f"remove it (train.{fix})")
+        if name == "fedsplit":
+            refused["momentum"] = ("acts in the trainers' SGD step, but fedsplit trains each client with the exact prox "
+                                   "solve (prox=exact), which has no steps; remove it (train.momentum=0)")
+    if name == "pfedme":
+        refused["weight_decay"] = ("pfedme's L2 term is algorithm.inner_l2 (μθ in each inner step; the official code's "
+                                   "1e-3), and no pFedMe code decays w; set algorithm.inner_l2 instead "
+                                   "(train.weight_decay=0)")
+        refused["momentum"] = ("pfedme's inner solve and w-step are plain gradient steps (the paper and every code); "
+                               "remove it (train.momentum=0)")
+    return refused
 
 
 def _check_local_optimiser(cfg: ExperimentConfig) -> None:
-    """Weight decay and the learning-rate schedule act in the trainers' local SGD step; refuse
-    them (one line) where a client's update does not run through it, or where the algorithm's
-    server step divides by one constant local η (SCAFFOLD option II's (x − y_i)/(Kη), FedNova's
-    ‖a_i‖₁), instead of quietly ignoring or mis-scaling them."""
+    """Weight decay, the learning-rate schedule and momentum act in every client's local steps:
+    the trainers' SGD step, or a method's own loop that honours them (APFL, Per-FedAvg, pFedMe's
+    schedule). Refuse them (one line) where a client's update has no such step
+    (:func:`_own_local_update`), or where the algorithm's server step divides by one constant
+    local η (SCAFFOLD option II's (x − y_i)/(Kη), FedNova's ‖a_i‖₁), instead of quietly
+    ignoring or mis-scaling them."""
     t = cfg.train
-    own = _own_local_update(cfg)
-    if own and (t.weight_decay or t.lr_schedule != "constant"):
-        key, value = ("train.weight_decay", t.weight_decay) if t.weight_decay else ("train.lr_schedule", t.lr_schedule)
-        raise ValueError(f"{key}: {value!r} acts in the trainers' SGD step, but {cfg.algorithm.name} trains each client "
-                         f"with {own}; remove it (weight_decay=0, lr_schedule=constant)")
+    refused = _own_local_update(cfg)
+    for key, given in (("weight_decay", bool(t.weight_decay)), ("lr_schedule", t.lr_schedule != "constant"),
+                       ("momentum", bool(t.momentum))):
+        if given and key in refused:
+            raise ValueError(f"train.{key}: {getattr(t, key)!r} {refused[key]}")
     name, hp = cfg.algorithm.name, cfg.algorithm.hyper()
     if t.lr_schedule != "constant" and (name == "fednova" or (name == "scaffold" and hp.get("option") == "II")):
         what = "‖a_i‖₁ of one constant local η" if name == "fednova" else "(x − y_i)/(K·train.lr), one constant local η"

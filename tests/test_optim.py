@@ -181,8 +181,8 @@ BAD = [
     ({"train": {"lr_gamma": 0}}, "train.lr_gamma"),
     ({"train": {"lr_gamma": 1.5}}, "train.lr_gamma"),
     ({"train": {"lr_step_rounds": 0}}, "train.lr_step_rounds"),
-    ({"train": {"weight_decay": 1e-4}, "algorithm": {"name": "apfl"}}, "train.weight_decay"),
-    ({"train": {"lr_schedule": "inverse"}, "algorithm": {"name": "pfedme"}}, "train.lr_schedule"),
+    ({"train": {"weight_decay": 1e-4}, "algorithm": {"name": "pfedme"}}, "train.weight_decay"),  # its L2 is inner_l2
+    ({"train": {"momentum": 0.5}, "algorithm": {"name": "pfedme"}}, "train.momentum"),
     ({"train": {"lr_schedule": "step"}, "algorithm": {"name": "ifca", "option": "gradient"}}, "train.lr_schedule"),
     ({"train": {"lr_schedule": "inverse"}, "algorithm": {"name": "scaffold"}}, "train.lr_schedule"),
     ({"train": {"lr_schedule": "step"}, "algorithm": {"name": "fednova"}}, "train.lr_schedule"),
@@ -199,6 +199,9 @@ def test_bad_values_are_one_line(over, key):
 
 def test_schedules_are_allowed_where_they_act():
     validate(tiny_config(train={"lr_schedule": "inverse", "weight_decay": 1e-5}, algorithm={"name": "scaffold", "option": "I"}))
+    for name in ("apfl", "perfedavg"):  # their own loops take all three (tests/test_personal_rules.py)
+        validate(tiny_config(train={"lr_schedule": "inverse", "weight_decay": 1e-5, "momentum": 0.5}, algorithm={"name": name}))
+    validate(tiny_config(train={"lr_schedule": "inverse"}, algorithm={"name": "pfedme"}))
     validate(tiny_config(train={"weight_decay": 1e-5}, algorithm={"name": "fednova"}))  # NIID-Bench's FedNova setting
 
 

@@ -11,11 +11,28 @@ mixing). On every local step, with batch ξ, from the round-start global w:
   the codes' 0.02α when ``alpha_l2`` = 0.02).
 
 The (v_i, α_i) updates read the w_i of every step, which LocalSpec cannot express, so they run
-in a per-client plain PyTorch loop (:func:`personal_pass`) with the round's batch order
-(stream ``shuffle``) and ``train.momentum`` (heavy ball, reset every round) on w_i and v_i. The
-loop is independent of the trainer, so both trainers agree trivially on (v, α); w comes from the
-run's trainer, so α = 0 is bit-identical FedAvg. BN statistics (frozen parameters) are not mixed
-by the loop: they follow w.
+in a per-client plain PyTorch loop (:func:`personal_pass`) with the w-pass's batches (the shard's
+w-spec as the stages left it: its batch order, local steps or epochs, each client's epochs, a
+curriculum's pacing) and its optimiser: step s of w_i and v_i at the rate of ``train.lr``'s
+schedule (η_s), with ``train.weight_decay`` ω (g + ω·θ on the model θ the step moves, as
+torch's SGD) and ``train.momentum`` (heavy ball, one buffer per model, reset every round), as
+the authors' MLOPTPSU/FedTorch (one SGD optimiser per model, lr adjusted every step) and
+KarhouTam/FL-bench do. The α step is at ``alpha_lr`` when set, else at the step's η_s
+(FedTorch's alpha_update takes the adjusted lr). w comes from the run's trainer, so α = 0 is
+bit-identical FedAvg, and the loop's w_i is the trainer's to float rounding. BN statistics
+(frozen parameters) are not mixed by the loop: they follow w.
+
+**PFLlib's APFL** (``algorithm.variant=pfllib``, TsingZ0/PFLlib clientapfl.py; default ``paper``,
+the rule above). On every step, with batch ξ:
+
+- w_i ← w_i − η∇f_i(w_i; ξ) (unchanged);
+- v_i ← v_i − η∇f_i(v_i; ξ): v trains on its *own* loss, not on the mixture's;
+- α_i ← clip(α_i − η_α(<v_i⁺ − w_i⁺, α_i∇f_i(v_i; ξ) + (1 − α_i)∇f_i(w_i; ξ)> + c·α_i), 0, 1)
+  after both steps (v⁺, w⁺ the stepped models, the gradients the step's; FedTorch's formula,
+  every batch; PFLlib's c = 0.02 is ``alpha_l2=0.02``);
+
+and after the round v_i ← α_i v_i + (1 − α_i) w_i with the client's own last w_i: that mixture is
+the client's row and its evaluated model (PFLlib's ``model_per``), with no mixing at evaluation.
 
 **Output mixing** (``algorithm.mix=outputs``; default ``params``, the paper's above). The codes
 MLOPTPSU/FedTorch and KarhouTam/FL-bench mix predictions instead of parameters: the personalised
@@ -32,12 +49,13 @@ the step's w_i (before its own update):
 
 Evaluation then measures ŷ_i with the current w (``accuracy``); α = 0 is FedAvg's prediction.
 There is no single parameter model, so ``train.eval_finetune`` (and ``own_models``) use v_i.
+Output mixing has no PFLlib variant (one line).
 
 State: rows {v_i, α_i} in a :class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``),
 only the cohort's read and written; a client never seen starts from v = the current w (so
 v̄ = w) and α = ``alpha``. Bytes: FedAvg's 2|w|. Evaluation: ``accuracy`` (= ``accuracy_personal``)
-is v̄_i with the current w (output mixing: ŷ_i); ``accuracy_global`` is w. Newcomers start from
-the global w.
+is v̄_i with the current w (output mixing: ŷ_i; PFLlib's: the stored v_i); ``accuracy_global`` is
+w. Newcomers start from the global w.
 """
 
 from __future__ import annotations
@@ -74,18 +92,20 @@ def output_mix_step(model, names: list[str], task: str):
                 out_w = functional_call(model, w, (x,))
             out_v = functional_call(model, {**v, **leaves}, (x,))
             loss = per_sample_loss(alpha * out_v + (1 - alpha) * out_w, y, task).mean()
-            grads = torch.autograd.grad(loss, [leaves[k] for k in names] + [alpha])
-        return dict(zip(names, grads[:-1])), float(grads[-1])
+            grads = torch.autograd.grad(loss, [leaves[k] for k in names] + [alpha], allow_unused=True)
+        g = {k: torch.zeros_like(leaves[k]) if d is None else d for k, d in zip(names, grads[:-1])}
+        return g, float(grads[-1])
 
     return step
 
 
 def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha: torch.Tensor, adaptive: bool,
-                  alpha_lr: float, alpha_l2: float, mix: str = "params") -> tuple[dict, torch.Tensor]:
+                  alpha_lr, alpha_l2: float, mix: str = "params", variant: str = "paper") -> tuple[dict, torch.Tensor]:
     """One round of APFL's (v_i, α_i) updates for every client of ``spec`` (see the module doc;
-    ``mix``: params, the paper's v̄ = αv + (1 − α)w, or outputs, ŷ = α f(x; v) + (1 − α) f(x; w))."""
+    ``mix``: params, the paper's v̄ = αv + (1 − α)w, or outputs, ŷ = α f(x; v) + (1 − α) f(x; w);
+    ``variant``: paper, or pfllib; ``alpha_lr`` None: each step's rate)."""
     names = trained_names(model, spec.init)
-    rho, lr = float(spec.momentum), float(spec.lr)
+    rho, wd = float(spec.momentum), float(spec.weight_decay)
     out_v = {k: x.detach().clone() for k, x in v.items()}
     out_a = alpha.detach().clone()
 
@@ -95,15 +115,21 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
     for i, cid in enumerate(spec.clients):
         x_c, y_c = data.client(int(cid))
         batches = client_batches(len(x_c), spec, np_rng(seed, round, int(cid), spec.stream), i)
+        rates = spec.step_rates(round, len(batches))
         w = {k: t[i].detach().clone() for k, t in spec.init.items()}
         vi = {k: out_v[k][i] for k in out_v}
         a = float(out_a[i])
         bw = {k: torch.zeros_like(w[k]) for k in names}
         bv = {k: torch.zeros_like(w[k]) for k in names}
-        for idx in batches:
+        for s, idx in enumerate(batches):
             xb, yb = x_c[torch.as_tensor(idx, device=x_c.device)], y_c[torch.as_tensor(idx, device=y_c.device)]
-            if mix == "outputs":  # g_v = ∇_v ℓ(ŷ) (the α factor included), d = ∂ℓ(ŷ)/∂α
-                g_v, d_alpha = mixed_at({k: vi[k] if k in bw else w[k] for k in w}, w, a, xb, yb)
+            lr = rates[s]
+            a_lr = lr if alpha_lr is None else float(alpha_lr)
+            own = {k: vi[k] if k in bw else w[k] for k in w}
+            if variant == "pfllib":  # g_v = ∇f(v) (v's own loss); α after the steps, below
+                g_v, g_w = grad_at(own, xb, yb), grad_at(w, xb, yb)
+            elif mix == "outputs":  # g_v = ∇_v ℓ(ŷ) (the α factor included), d = ∂ℓ(ŷ)/∂α
+                g_v, d_alpha = mixed_at(own, w, a, xb, yb)
                 g_w = grad_at(w, xb, yb)
             else:  # g_v = ∇_v f(v̄) = α∇f(v̄), d = <v − w, ∇f(v̄)>
                 vbar = {k: a * vi[k] + (1 - a) * w[k] if k in bw else w[k] for k in w}
@@ -111,15 +137,20 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
                 g_v = {k: a * g_bar[k] for k in names}
                 if adaptive:
                     d_alpha = sum(float(((vi[k] - w[k]) * g_bar[k]).sum()) for k in names)
-            if adaptive:
-                a_next = min(1.0, max(0.0, a - alpha_lr * (d_alpha + alpha_l2 * a)))
+            if adaptive and variant != "pfllib":
+                a_next = min(1.0, max(0.0, a - a_lr * (d_alpha + alpha_l2 * a)))
             for k in names:
-                bv[k] = rho * bv[k] + g_v[k]
-                bw[k] = rho * bw[k] + g_w[k]
+                bv[k] = rho * bv[k] + (g_v[k] + wd * vi[k] if wd else g_v[k])
+                bw[k] = rho * bw[k] + (g_w[k] + wd * w[k] if wd else g_w[k])
                 vi[k] = vi[k] - lr * bv[k]
                 w[k] = w[k] - lr * bw[k]
+            if adaptive and variant == "pfllib":  # FedTorch's formula on the stepped models, the step's gradients
+                d_alpha = sum(float(((vi[k] - w[k]) * (a * g_v[k] + (1 - a) * g_w[k])).sum()) for k in names)
+                a_next = min(1.0, max(0.0, a - a_lr * (d_alpha + alpha_l2 * a)))
             if adaptive:
                 a = a_next
+        if variant == "pfllib":  # the row (and the evaluated model) is the mixture with the client's own w_i
+            vi = {k: (1 - a) * w[k] + a * vi[k] if k in bw else vi[k] for k in vi}
         for k in out_v:
             out_v[k][i] = vi[k] if k in bw else w[k]
         out_a[i] = a
@@ -135,7 +166,7 @@ def apfl_pass(model, spec, data, task, engine, seed, round):
     clients, from their round-start rows): the new rows {v, α}."""
     rows, h = spec.meta[ROWS_IN], spec.meta[HYPER]
     v, alpha = personal_pass(model, spec, data, task, seed, round, {k: x for k, x in rows.items() if k != ALPHA},
-                             rows[ALPHA], h["adaptive"], h["alpha_lr"], h["alpha_l2"], h["mix"])
+                             rows[ALPHA], h["adaptive"], h["alpha_lr"], h["alpha_l2"], h["mix"], h.get("variant", "paper"))
     return {**v, ALPHA: alpha}
 
 
@@ -153,9 +184,10 @@ class APFL(PersonalModels):
         Hyper("adaptive", True, "adapt each client's α by gradient descent on f_i(v̄_i) (default true: the paper's "
               "adaptive APFL; FedTorch's default is false)", "", "bool", source="paper",
               note="adaptive APFL: α_i by gradient descent (MLOPTPSU/FedTorch's fed_adaptive_alpha defaults to false)"),
-        real("alpha_lr", None, "step size of the α update (default null = train.lr: the local lr, as FedTorch's and "
-             "PFLlib's α update)", "η_α", ge=0, optional=True, source="code",
-             note="MLOPTPSU/FedTorch alpha_update and TsingZ0/PFLlib clientapfl.py step α at the local lr"),
+        real("alpha_lr", None, "step size of the α update (default null = the local lr of the step, train.lr on its "
+             "schedule, as FedTorch's and PFLlib's α update)", "η_α", ge=0, optional=True, source="code",
+             note="MLOPTPSU/FedTorch alpha_update (the adjusted lr) and TsingZ0/PFLlib clientapfl.py step α at the "
+                  "local lr"),
         real("alpha_l2", 0.0, "extra term c·α in the α gradient (default 0: the paper; the codes use 0.02)", "c", ge=0,
              source="paper", note="∂f_i(v̄_i)/∂α = <v − w, ∇f_i(v̄_i)>; FedTorch, PFLlib and FL-bench add 0.02α"),
         choice("mix", "params", ("params", "outputs"), "what the personalised model mixes: params (v̄ = αv + (1−α)w, "
@@ -163,7 +195,22 @@ class APFL(PersonalModels):
                "training, in the α update and in evaluation", "", source="paper",
                note="the paper and litian96/ditto's APFL mix parameters; MLOPTPSU/FedTorch and KarhouTam/FL-bench "
                     "(global(x).detach()) mix outputs"),
+        choice("variant", "paper", ("paper", "pfllib"), "the update rule: paper (v steps on f(v̄), α by "
+               "<v − w, ∇f(v̄)>, evaluation mixes with the current w) or pfllib (v steps on its own loss f(v), α by "
+               "FedTorch's formula after each step, v overwritten by αv + (1−α)w_i after the round and evaluated as "
+               "it is)", source="paper",
+               note="the paper's Algorithm 1; TsingZ0/PFLlib clientapfl.py trains model_per on its own loss and "
+                    "overwrites it with (1-alpha)*w + alpha*v: variant=pfllib"),
     )
+
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        a = cfg.algorithm
+        if getattr(a, "variant", "paper") == "pfllib" and getattr(a, "mix", "params") == "outputs":
+            raise ValueError("algorithm.variant: pfllib mixes parameters after the round (PFLlib's clientapfl.py); "
+                             "algorithm.mix=outputs has no PFLlib rule; set algorithm.mix=params or variant=paper")
+
     def extra_row(self):
         return {ALPHA: torch.tensor(float(self.hp("alpha")), dtype=torch.float32)}
 
@@ -191,8 +238,9 @@ class APFL(PersonalModels):
         v, alpha = self.rows(state, clients)
         lr = self.hp("alpha_lr")
         spec.meta = {**spec.meta, ROWS_IN: {**v, ALPHA: alpha},
-                     HYPER: {"adaptive": bool(self.hp("adaptive")), "alpha_lr": self.cfg.train.lr if lr is None else float(lr),
-                             "alpha_l2": float(self.hp("alpha_l2")), "mix": self.hp("mix")}}
+                     HYPER: {"adaptive": bool(self.hp("adaptive")), "alpha_lr": None if lr is None else float(lr),
+                             "alpha_l2": float(self.hp("alpha_l2")), "mix": self.hp("mix"),
+                             "variant": self.hp("variant")}}
         spec.personal_pass = apfl_pass
         return spec
 

@@ -239,13 +239,15 @@ class PartialSharing(Algorithm):
 
 def gradient(model: nn.Module, names: list[str], task: str) -> Callable[[dict, Any, Any], dict]:
     """``grad(params, x, y)``: the gradient of the mean loss on (x, y) w.r.t. the parameters
-    ``names`` (one client, plain PyTorch; the per-client loops of APFL, Per-FedAvg and pFedMe)."""
+    ``names`` (one client, plain PyTorch; the per-client loops of APFL, Per-FedAvg and pFedMe). A
+    parameter the forward pass does not use gets a zero gradient, as in the reference trainer."""
 
     def grad(p: dict, x, y) -> dict:
         with torch.enable_grad(), training(model):
             leaves = {k: p[k].detach().requires_grad_(True) for k in names}
             loss = per_sample_loss(functional_call(model, {**p, **leaves}, (x,)), y, task).mean()
-            return dict(zip(names, torch.autograd.grad(loss, [leaves[k] for k in names])))
+            grads = torch.autograd.grad(loss, [leaves[k] for k in names], allow_unused=True)
+            return {k: torch.zeros_like(leaves[k]) if g is None else g for k, g in zip(names, grads)}
 
     return grad
 

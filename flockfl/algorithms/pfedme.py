@@ -37,7 +37,12 @@ model's own statistics (precise BN), as the SGD trainers do. Measured on this 2-
 round of PFLlib's setting at a tenth of the data, 20 clients, batch 10): the per-client loop is
 the faster here (pfllib_cnn 15.1 s vs 77.2 s, MLP 3.0 s vs 4.7 s; FedAvg's own trainers: 3.4 s vs
 6.1 s), which ``train.engine=auto`` measures and picks; the cohort solve is for accelerators.
-``train.momentum`` is ignored (plain GD/SGD, as the paper).
+``train.lr_schedule`` acts on both step sizes of local round r, η_r = η·f_r and η_{p,r} = η_p·f_r,
+with f_r the schedule's factor at local step r (η = ``train.lr``; TsingZ0/PFLlib's ExponentialLR
+decays its personal optimiser's η_p). ``train.weight_decay`` is refused in one line: pFedMe's
+L2 term is ``inner_l2`` (μθ in each inner step, the official code's 1e-3; no code decays w).
+``train.momentum`` is refused in one line too: the inner solve and the w-step are plain GD/SGD
+in the paper and every code.
 
 State: θ̃_i (a detached copy after the last inner solve, never aliased with w_{i,R}) in a
 :class:`~flockfl.clientstate.ClientTable` (``state.algo['personal']``); a client never trained
@@ -61,6 +66,13 @@ from flockfl.engine.trainers import calibrate_bn, client_mask, cohort_step, trai
 from flockfl.rng import np_rng
 
 
+def _rates(spec, round: int, steps: int, p_lr: float) -> list[tuple[float, float]]:
+    """(η_r, η_{p,r}) of local rounds 0..steps−1: ``train.lr``'s schedule, and η_p scaled by the
+    same factor (a constant schedule: (η, η_p) exactly)."""
+    lr = float(spec.lr)
+    return [(r, p_lr * (r / lr) if lr and r != lr else p_lr) for r in spec.step_rates(round, steps)]
+
+
 def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_steps: int, p_lr: float,
                 mu: float = 0.0):
     """(w_{i,R}, θ̃_i) of every client of ``spec`` (see the module doc); one local round per batch
@@ -68,11 +80,10 @@ def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_st
     names = trained_names(model, spec.init)
     out_w = {k: v.detach().clone() for k, v in spec.init.items()}
     out_t = {k: v.detach().clone() for k, v in spec.init.items()}
-    lr = float(spec.lr)
 
     grad_at = gradient(model, names, task)
 
-    def inner(theta, g, w):
+    def inner(theta, g, w, p_lr):
         if mu:  # the official pFedMeOptimizer's p.grad + λ(p − w) + μp
             return {k: theta[k] - p_lr * (g[k] + lam * (theta[k] - w[k]) + mu * theta[k]) if k in g else w[k]
                     for k in w}
@@ -82,11 +93,13 @@ def moreau_pass(model, spec, data, task, seed: int, round: int, lam: float, k_st
         x_c, y_c = data.client(int(cid))
         w = {k: out_w[k][i] for k in out_w}
         theta = dict(w)
-        for b in client_batches(len(x_c), spec, np_rng(seed, round, int(cid), spec.stream), i):
+        batches = client_batches(len(x_c), spec, np_rng(seed, round, int(cid), spec.stream), i)
+        for r, (eta, eta_p) in enumerate(_rates(spec, round, len(batches), p_lr)):
+            b = batches[r]
             xb, yb = x_c[torch.as_tensor(b, device=x_c.device)], y_c[torch.as_tensor(b, device=y_c.device)]
             for _ in range(k_steps):
-                theta = inner(theta, grad_at(theta, xb, yb), w)
-            w = {k: w[k] - lr * lam * (w[k] - theta[k]) if k in names else w[k] for k in w}
+                theta = inner(theta, grad_at(theta, xb, yb), w, eta_p)
+            w = {k: w[k] - eta * lam * (w[k] - theta[k]) if k in names else w[k] for k in w}
         for k in out_w:
             out_w[k][i] = w[k]
             out_t[k][i] = theta[k].detach().clone()
@@ -109,12 +122,13 @@ def moreau_pass_stacked(model, spec, data, task, seed: int, round: int, lam: flo
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
     index, weight = sched.index.to(device), sched.weight.to(device)
     step = cohort_step(model, task)
-    lr = float(spec.lr)
+    rates = _rates(spec, round, sched.steps, p_lr)  # step s of every client is its local round s
     with training(model):
         for s in range(sched.steps):
             x, y, wt = data.x[index[s]], data.y[index[s]], weight[s]
             act = sched.active[s].to(device)
             every = bool(act.all())
+            eta, eta_p = rates[s]
             for _ in range(k_steps):
                 g, _ = step(theta, x, y, wt)
                 with torch.no_grad():
@@ -122,11 +136,11 @@ def moreau_pass_stacked(model, spec, data, task, seed: int, round: int, lam: flo
                         d = g[k] + lam * (theta[k] - w[k])
                         if mu:
                             d = d + mu * theta[k]
-                        d = p_lr * d
+                        d = eta_p * d
                         theta[k] = theta[k] - (d if every else d * client_mask(act, d))
             with torch.no_grad():
                 for k in names:
-                    d = lr * lam * (w[k] - theta[k])
+                    d = eta * lam * (w[k] - theta[k])
                     w[k] = w[k] - (d if every else d * client_mask(act, d))
     theta = {k: (theta[k] if k in names else w[k]).detach().clone() for k in w}
     calibrate_bn(model, w, data, spec.clients)
