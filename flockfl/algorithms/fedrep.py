@@ -8,10 +8,15 @@ Model q_i = h_i ∘ φ. Round t: the server sends φ^t to the cohort; each clien
 3. uploads φ_i; the server sets φ^{t+1} to their sample-weighted mean. Heads persist locally
    (ClientTable rows; a new client starts from the seeded init head).
 
-Both phases are plain local SGD (``train.lr``, ``train.batch_size``, ``train.momentum``; the
-optimiser state resets between phases), each phase freezing the other part with a 0/1 mask, so
-both trainers run them. Phase 1 runs in ``local_spec`` (its batch orders from the
-``fedrep_head`` stream), phase 2 is the round's training. ``train.local_epochs`` is not used.
+Both phases are plain local SGD (``train.lr`` on its schedule, ``train.weight_decay``,
+``train.batch_size``, ``train.momentum``; the optimiser state resets between phases), each phase
+freezing the other part with a 0/1 mask, so both trainers run them. Phase 1 runs in
+``local_spec`` (its batch orders from the ``fedrep_head`` stream), phase 2 is the round's
+training. The local work is counted in epochs of each phase, τ_h and τ_φ, only:
+``train.local_epochs`` is not used, and ``train.local_steps`` (which would override τ_φ and not
+τ_h), ``train.local_work=uniform_random`` (each client's own E_i, which neither phase has) and a
+data curriculum (which would pace the body epochs only: phase 1 runs before the stages see the
+round) are refused in one line.
 
 Evaluation: the current φ + the client's own h_i. Fine-tuning (``train.eval_finetune``) and
 newcomers train the head only, from the global φ (the official code's final head-only epochs).
@@ -44,6 +49,23 @@ class FedRep(PartialSharing):
                 note="lgcollins/FedRep scripts: --local_rep_ep 1 on CIFAR (5 on FEMNIST)"),
     )
 
+    @classmethod
+    def check_config(cls, cfg) -> None:
+        super().check_config(cfg)
+        t = cfg.train
+        if t.local_steps is not None:
+            raise ValueError(f"train.local_steps: fedrep counts its local work in algorithm.head_epochs and "
+                             f"algorithm.body_epochs; {t.local_steps} steps would replace the body epochs and not the "
+                             "head epochs; drop train.local_steps")
+        if t.local_work != "constant":
+            raise ValueError(f"train.local_work: {t.local_work} draws each client's epochs from train.local_epochs, which "
+                             "fedrep does not use (algorithm.head_epochs, algorithm.body_epochs); set "
+                             "train.local_work=constant")
+        if cfg.curriculum.ordering != "vanilla":
+            raise ValueError(f"curriculum.ordering: {cfg.curriculum.ordering} would pace fedrep's body epochs only (the "
+                             "head epochs run before the round's batches are paced); use curriculum.ordering=vanilla "
+                             "(a client curriculum, curriculum.clients=true, still applies)")
+
     def local_spec(self, state, ctx, clients, round):
         t, names = self.cfg.train, self.names(state)
         init = self.own_models(state, ctx, clients, np.zeros(len(clients), np.int64))
@@ -55,7 +77,7 @@ class FedRep(PartialSharing):
             init = {**init, **{k: trained[k] for k in names}}
         masks = frozen_masks(init, names, len(clients)) if names else None
         spec = round_spec(t, clients, init, meta={"model_of_client": np.zeros(len(clients), np.int64)}, masks=masks)
-        spec.epochs = self.hp("body_epochs")
+        spec.epochs = self.hp("body_epochs")  # train.local_steps, which would override it, is refused
         return spec
 
     def finetune(self, state, ctx, clients, assign, round, engine, stream):
