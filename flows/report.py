@@ -164,10 +164,16 @@ def _auto_choices(client, run, tmp: Path, listed: Optional[set[str]]) -> tuple[l
 
 
 def load_run(client, run, tmp: Path) -> RunSummary:
+    """One run under flockfl's names, however it was logged: MLflow's names (``eval/...``, params
+    for the numbers logged once) are read back by ``tasks.tracking``, and runs logged before them
+    read as they are."""
+    from tasks.tracking import metric_name, summary_metrics
+
     hist = {}
     for key in HISTORY_KEYS:
-        if key in run.data.metrics:
-            hist[key] = {int(m.step): float(m.value) for m in client.get_metric_history(run.info.run_id, key)}
+        name = next((n for n in (metric_name(key), key) if n in run.data.metrics), None)
+        if name is not None:
+            hist[key] = {int(m.step): float(m.value) for m in client.get_metric_history(run.info.run_id, name)}
     if "comm_bytes" not in hist and "bytes_total" in hist:  # runs from before comm_bytes: its running sum
         total, hist["comm_bytes"] = 0.0, {}
         for step in sorted(hist["bytes_total"]):
@@ -179,7 +185,8 @@ def load_run(client, run, tmp: Path) -> RunSummary:
     assignments, note = _assignments(client, run, tmp, listed)
     choices, auto_note = _auto_choices(client, run, tmp, listed)
     return RunSummary(run_id=run.info.run_id, name=name, status=run.info.status, group=tags.get(COMBO_TAG) or name,
-                      seed=tags.get(SEED_TAG) or run.data.params.get("seed"), final=dict(run.data.metrics),
+                      seed=tags.get(SEED_TAG) or run.data.params.get("seed"),
+                      final=summary_metrics(dict(run.data.metrics), dict(run.data.params)),
                       history=hist, assignments=assignments, assignments_note=note, params=dict(run.data.params),
                       auto_choices=choices, auto_note=auto_note)
 

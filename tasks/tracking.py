@@ -8,7 +8,14 @@ twice.
 The store is opened with :func:`open_store` (a new SQLite store is created by one process at
 a time, so ``flockfl run``s started together on it all work), experiments with
 :func:`ensure_experiment` (a training experiment, not a GenAI one), and links into the MLflow
-UI are made by :func:`ui_url` (the training view).
+UI are made by :func:`ui_url` (the training view; an experiment's runs in flockfl's results
+view, whose table shows accuracy, ARI, clusters and duration: :func:`save_results_view`).
+
+MLflow's names sort for a person (:func:`metric_name`): the headline series under their own
+names, each evaluation protocol's series under ``eval/``, per-cluster ones under ``cluster/``;
+numbers a run has once are params; the git commit and a dirty flag are tags
+(:func:`source_tags`). :func:`summary_metrics` reads a run back under flockfl's names, whether it
+was logged before or after the renaming.
 
 A run's tracking goes through a :class:`BackgroundTracker`: the same calls, made in order on one
 background thread, so importing MLflow, opening the store and exporting the models overlap the
@@ -132,35 +139,204 @@ def ensure_experiment(name: str, uri: Optional[str] = None) -> str:
     """The id of experiment ``name`` in the store ``uri`` (default: MLflow's current tracking
     URI), created if missing; either way tagged as a training experiment
     (``mlflow.experimentKind = custom_model_development``), so the MLflow UI shows its runs and
-    charts. Safe when several processes create the same experiment at once."""
+    charts, and holding flockfl's results view of its runs table (:func:`save_results_view`).
+    Safe when several processes create the same experiment at once."""
+    import json
+
     import mlflow
     from mlflow.exceptions import MlflowException
 
     client = open_store(uri or mlflow.get_tracking_uri())
     exp = client.get_experiment_by_name(name)
     if exp is None:
+        now = int(time.time() * 1000)
+        view = json.dumps({"name": RESULTS_VIEW_NAME, "createdAt": now, "updatedAt": now,
+                           "state": json.dumps(results_view_state(), separators=(",", ":"))}, separators=(",", ":"))
         try:
-            return client.create_experiment(name, tags={KIND_TAG: TRAINING_KIND})
+            return client.create_experiment(name, tags={KIND_TAG: TRAINING_KIND, VIEW_TAG + RESULTS_VIEW: view})
         except MlflowException as err:  # another process created it in between
             if err.error_code != "RESOURCE_ALREADY_EXISTS":
                 raise
             exp = client.get_experiment_by_name(name)
     _mark_training(client, exp)
+    if exp.lifecycle_stage == "active" and VIEW_TAG + RESULTS_VIEW not in exp.tags:
+        save_results_view(client, exp.experiment_id)
     return exp.experiment_id
 
 
 def ui_url(base: str, experiment_id: Optional[str] = None, run_id: Optional[str] = None,
-           artifact: Optional[str] = None) -> str:
+           artifact: Optional[str] = None, view: Optional[str] = None) -> str:
     """A link into the MLflow UI at ``base`` (e.g. ``http://127.0.0.1:5000``) that opens on the
-    training view: the experiment list, an experiment's runs, a run, or one of its artifacts."""
+    training view: the experiment list, an experiment's runs, a run, or one of its artifacts.
+    ``view`` (an experiment's runs only): a saved view of the runs table (:func:`save_results_view`)."""
     route = "experiments"
+    query = UI_WORKFLOW
     if experiment_id is not None:
         route += f"/{experiment_id}"
         if run_id is not None:
             route += f"/runs/{run_id}"
             if artifact:
                 route += f"/artifacts/{artifact.strip('/')}"
-    return f"{base.rstrip('/')}/#/{route}?{UI_WORKFLOW}"
+        elif view:
+            route += "/runs"
+            query = f"{VIEW_PARAM}={view}&{UI_WORKFLOW}"
+    return f"{base.rstrip('/')}/#/{route}?{query}"
+
+
+# The runs table of MLflow 3's experiment page picks its columns itself (run name, created,
+# dataset, duration, source, models: no metric) and keeps a person's choice in the browser. A
+# *saved view* is the one thing a link can bring: an experiment tag ``mlflow.sharedViewState.<id>``
+# holding ``{"name", "createdAt", "updatedAt", "state"}`` (state: the table's JSON state), opened
+# by ``#/experiments/<id>/runs?viewStateShareKey=<id>`` and listed in the page's saved-views menu
+# (read from MLflow 3.17's UI bundle; older UIs read a bare state, which they also accept).
+VIEW_TAG = "mlflow.sharedViewState."
+VIEW_PARAM = "viewStateShareKey"
+RESULTS_VIEW = "flockfl-results"
+RESULTS_VIEW_NAME = "flockfl: results"
+# (column id in the runs table, always shown?, width in px): the headline numbers, in this order,
+# then the variants some algorithms have, and MLflow's run duration (run created to run ended:
+# the rounds, the evaluation and the model export). The table always shows the run's name and
+# when it was created first, and orders metric columns by name unless told (columnOrder).
+RESULTS_COLUMNS = (("metrics.`accuracy`", True, 100), ("metrics.`ari`", True, 90), ("metrics.`num_clusters`", True, 115),
+                   ("metrics.`accuracy_finetuned`", False, 145), ("metrics.`accuracy_personal`", False, 145),
+                   ("attributes.`Duration`", True, None))
+_FIXED_COLUMNS = (("attributes.`Run Name`", 140), ("runDateAndNestInfo", None), ("duration", None))
+
+
+def results_view_state(metric_keys: Optional[set[str]] = None) -> dict:
+    """The runs table's state of flockfl's results view: the headline columns (the optional ones
+    only where ``metric_keys``, the experiment's metric names, has them) in order, newest run first."""
+    cols = [(c, w) for c, always, w in RESULTS_COLUMNS
+            if always or (metric_keys is not None and c[len("metrics.`"):-1] in metric_keys)]
+    order = list(_FIXED_COLUMNS) + [(c, w) for c, w in cols if c.startswith("metrics.")]
+    return {"selectedColumns": [c for c, _ in cols], "columnOrder": [c for c, _ in order],
+            "columnWidths": {c: w for c, w in order if w}, "orderByKey": "attributes.start_time", "orderByAsc": False}
+
+
+def save_results_view(client, experiment_id: str, metric_keys: Optional[set[str]] = None) -> str:
+    """Write (or refresh) flockfl's results view on the experiment; returns its id for
+    :func:`ui_url`'s ``view``. A view a person edited in the UI under the same id is replaced."""
+    import json
+
+    exp = client.get_experiment(experiment_id)
+    key = VIEW_TAG + RESULTS_VIEW
+    now = int(time.time() * 1000)
+    state = json.dumps(results_view_state(metric_keys), separators=(",", ":"))
+    try:
+        old = json.loads(exp.tags.get(key) or "{}")
+    except ValueError:
+        old = {}
+    if isinstance(old, dict) and old.get("state") == state:
+        return RESULTS_VIEW
+    created = old.get("createdAt") if isinstance(old, dict) and isinstance(old.get("createdAt"), int) else now
+    client.set_experiment_tag(experiment_id, key, json.dumps(
+        {"name": RESULTS_VIEW_NAME, "createdAt": created, "updatedAt": now, "state": state}, separators=(",", ":")))
+    return RESULTS_VIEW
+
+
+# ---------------------------------------------------------------------- metric names in MLflow
+# A run's history rows and JSON summary keep flockfl's names (a contract); MLflow gets them
+# sorted for a person: the headline series (accuracy, loss, ari, num_clusters, the round's
+# accounting) under their own names, which sort together in every list MLflow shows (the run's
+# metrics, the runs table's column chooser), and the long tail under a prefix. MLflow 3.17's
+# charts make a section of everything before a name's last "/", and show the sections with a
+# prefix first (sorted), the unprefixed ones ("Model metrics") after them:
+#   F__TESTSET__AVERAGE, F_min__TESTSET, ... -> eval/<the same name>   (one "eval" section:
+#       every protocol's series, every evaluated round; charts named as in the summary)
+#   cluster/J/accuracy, cluster/J/clients   -> as they are              (a section per cluster)
+# Numbers a run has once are params, not one-point metrics: the last round's report modes
+# (F__TESTSET__AVERAGE__REPORT, under that name), the partition's measures (partition_*) and
+# the pre-federation step's cost (pre_federation_*). :func:`summary_metrics` reads both ways back.
+EVAL_PREFIX = "eval/"
+
+
+def _report_mode(key: str) -> bool:
+    return key.count("__") == 3
+
+
+def metric_name(key: str) -> str:
+    """The MLflow metric name of a history row's key."""
+    return EVAL_PREFIX + key if "__" in key and "/" not in key else key
+
+
+def row_key(name: str) -> str:
+    """The history row's key of an MLflow metric name (the inverse of :func:`metric_name`;
+    a name from before the renaming is returned as is)."""
+    rest = name[len(EVAL_PREFIX):]
+    return rest if name.startswith(EVAL_PREFIX) and "__" in rest and "/" not in rest else name
+
+
+ONCE_PREFIXES = ("partition_", "pre_federation_")
+
+
+def summary_metrics(metrics: dict[str, float], params: dict[str, str]) -> dict[str, float]:
+    """A run's final values under flockfl's names, whichever way the run was logged: its
+    metrics renamed back (:func:`row_key`) plus the numbers logged once as params (report modes,
+    partition measures, pre-federation cost). Runs logged before the renaming have them as
+    metrics already, under these names."""
+    out = {row_key(k): v for k, v in metrics.items()}
+    for k, v in params.items():
+        if k in out or not (_report_mode(k) or k.startswith(ONCE_PREFIXES)):
+            continue
+        try:
+            out[k] = float(v)
+        except ValueError:
+            pass
+    return out
+
+
+# ---------------------------------------------------------------------- where the code came from
+
+_SOURCE: dict[str, dict[str, str]] = {}
+
+
+def _git_root(start: Path) -> Optional[Path]:
+    for d in (start, *start.parents):
+        if (d / ".git").exists():
+            return d
+    return None
+
+
+def source_tags(folder: Optional[Path] = None) -> dict[str, str]:
+    """``mlflow.source.git.commit`` (and ``.branch``) and ``flockfl.git_dirty`` ("true" when
+    tracked files differ from that commit; untracked files do not count) of the git work tree
+    holding ``folder``, by default the one holding flockfl's code, else the working directory's;
+    {} outside git, without a git binary, or when git refuses the folder. One ``git status`` per
+    work tree and process (the code a process runs is what it imported), without taking the
+    index lock (others may be committing)."""
+    import subprocess
+
+    if folder is not None:
+        root = _git_root(Path(folder).resolve())
+    else:
+        root = _git_root(Path(__file__).resolve().parent) or _git_root(Path.cwd().resolve())
+    if root is None:
+        return {}
+    if str(root) in _SOURCE:
+        return _SOURCE[str(root)]
+    tags: dict[str, str] = {}
+    try:
+        res = subprocess.run(["git", "--no-optional-locks", "-C", str(root), "status", "--porcelain=v2", "--branch",
+                              "--untracked-files=no"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        res = None
+    if res is not None and res.returncode == 0:
+        head = {}
+        dirty = False
+        for line in res.stdout.splitlines():
+            if line.startswith("# branch."):
+                k, _, v = line[len("# branch."):].partition(" ")
+                head[k] = v
+            elif line.strip():
+                dirty = True
+        commit = head.get("oid", "")
+        if len(commit) == 40:  # not "(initial)": a repository without a commit has nothing to name
+            tags["mlflow.source.git.commit"] = commit
+            if head.get("head") and head["head"] != "(detached)":
+                tags["mlflow.source.git.branch"] = head["head"]
+            tags["flockfl.git_dirty"] = "true" if dirty else "false"
+    _SOURCE[str(root)] = tags
+    return tags
 
 
 def _numeric(row: dict[str, Any]) -> dict[str, float]:
@@ -221,18 +397,23 @@ class Tracker:
         self.uri = uri
         mlflow.set_tracking_uri(uri)
         self.client = open_store(uri)
+        self._params: Optional[set[str]] = None  # the run's param keys, once read (log_once)
+        source = source_tags()
         if run_id is None:
             exp_id = ensure_experiment(experiment, uri)
-            run = self.client.create_run(exp_id, run_name=run_name, tags=tags or {})
+            run = self.client.create_run(exp_id, run_name=run_name, tags={**source, **(tags or {})})
             self.run_id = run.info.run_id
+            self._params = set()
             if params:
                 self._log_params(params)
         else:
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
-        self.experiment_id = self.client.get_run(self.run_id).info.experiment_id
+        run = self.client.get_run(self.run_id)
+        self.experiment_id = run.info.experiment_id
         if run_id is not None:  # a resumed run: its experiment may predate the kind tag
             _mark_training(self.client, self.client.get_experiment(self.experiment_id))
+            self._resumed_source(run.data.tags, source)
         # the last round this MLflow run holds (a resumed run logs only the rounds after it)
         self.logged = self.last_logged_round() if run_id is not None else 0
 
@@ -242,6 +423,31 @@ class Tracker:
         items = [Param(k, str(v)[:6000]) for k, v in sorted(params.items())]
         for a in range(0, len(items), 100):
             self.client.log_batch(self.run_id, params=items[a : a + 100])
+        if self._params is not None:
+            self._params.update(params)
+
+    def _resumed_source(self, tags: dict[str, str], source: dict[str, str]) -> None:
+        """A resumed run keeps the commit it started from; when this process runs other code
+        (another commit, or a dirty tree), that is tagged beside it (``flockfl.resumed_git_commit``,
+        ``flockfl.resumed_git_dirty``). A run from before these tags gets them now."""
+        if not source:
+            return
+        if "mlflow.source.git.commit" not in tags:
+            self.set_tags(source)
+        elif (tags.get("mlflow.source.git.commit"), tags.get("flockfl.git_dirty")) != (
+                source["mlflow.source.git.commit"], source["flockfl.git_dirty"]):
+            self.set_tags({"flockfl.resumed_git_commit": source["mlflow.source.git.commit"],
+                           "flockfl.resumed_git_dirty": source["flockfl.git_dirty"]})
+
+    def log_once(self, values: dict[str, Any]) -> None:
+        """Numbers a run has once (the partition's measures, the pre-federation cost, the last
+        round's report modes) as params. MLflow's params cannot change: a key the run already
+        holds (a resumed run logging it again) keeps its first value."""
+        if self._params is None:
+            self._params = set(self.client.get_run(self.run_id).data.params)
+        new = {k: v for k, v in values.items() if k not in self._params}
+        if new:
+            self._log_params(new)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -257,7 +463,11 @@ class Tracker:
 
         ts = int(time.time() * 1000)
         step = int(row["round"])
-        metrics = [Metric(k, v, ts, step) for k, v in _numeric(row).items()]
+        values = _numeric(row)
+        once = {k: v for k, v in values.items() if _report_mode(k)}  # the last round's report modes
+        if once:
+            self.log_once(once)
+        metrics = [Metric(metric_name(k), v, ts, step) for k, v in values.items() if k not in once]
         for a in range(0, len(metrics), 1000):
             self.client.log_batch(self.run_id, metrics=metrics[a : a + 1000])
 
@@ -270,10 +480,10 @@ class Tracker:
                 self.logged = int(row["round"])
 
     def catch_up(self, measures: dict[str, float], history: list[dict[str, Any]]) -> None:
-        """A run's first entries: the partition's measures (step 0) on a run that logged no round
-        yet, and the rounds a killed run checkpointed but never logged."""
+        """A run's first entries: the partition's measures (params) on a run that logged no
+        round yet, and the rounds a killed run checkpointed but never logged."""
         if self.logged == 0 and measures:
-            self.log_values(measures, step=0)
+            self.log_once(measures)
         self.log_rounds(history)
 
     def log_values(self, values: dict[str, float], step: int = 0) -> None:
@@ -283,8 +493,8 @@ class Tracker:
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), ts, step) for k, v in values.items()])
 
     def log_pre_federation(self, cost: dict[str, Any]) -> None:
-        """The one-shot pre-federation step's cost, at step 0."""
-        self.log_values({f"pre_federation_{k}": v for k, v in cost.items()}, step=0)
+        """The one-shot pre-federation step's cost, as params ``pre_federation_*``."""
+        self.log_once({f"pre_federation_{k}": v for k, v in cost.items()})
 
     def log_dict(self, obj: dict, name: str) -> None:
         self.client.log_dict(self.run_id, obj, name)
@@ -477,6 +687,7 @@ class BackgroundTracker:
     log_rounds = _queued("log_rounds")
     catch_up = _queued("catch_up")
     log_values = _queued("log_values")
+    log_once = _queued("log_once")
     log_pre_federation = _queued("log_pre_federation")
     log_dict = _queued("log_dict")
     log_text = _queued("log_text")
