@@ -11,7 +11,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,11 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--out", default="data/partitions", help="partitions folder")
     part.add_argument("--json", action="store_true")
 
-    ui = sub.add_parser("ui", help="open the MLflow UI on 127.0.0.1 against the run store")
-    ui.add_argument("--port", type=int, default=5000)
-    ui.add_argument("--tracking-uri")
-    ui.add_argument("--workers", type=int, default=1, help="MLflow server worker processes (default 1)")
-
     lst = sub.add_parser("list", help="what there is to run: the project's experiments and partitions, the methods by "
                                       "family, datasets, schemes, models and stages; flockfl list ALGORITHM shows its "
                                       "paper, hyper-parameters and stages; flockfl list curriculum|pruning|shift a stage's keys")
@@ -68,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("--markdown", action="store_true", help="the algorithm table of docs/algorithms.md")
     # commands that live in their own modules: each module's add_parser(sub) registers its
     # subcommand(s) and sets ``handler`` (args -> int exit code); the modules stay light at import
-    from flows import repro, report, schedule, server, sweep
+    from flows import repro, report, schedule, server, sweep, ui
 
-    for mod in (sweep, repro, report, schedule, server):
+    for mod in (sweep, repro, report, schedule, server, ui):
         mod.add_parser(sub)
     return p
 
@@ -160,26 +154,6 @@ def cmd_partition(args) -> dict:
     s = summary(part, ds)
     return {"partition": str(path), "cached": cached, "content_hash": part.content_hash,
             "num_clients": s["num_clients"], "size_stats": s["size_stats"], "label_skew_tv": s.get("label_skew_tv")}
-
-
-def cmd_ui(args) -> None:
-    from tasks.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(args.tracking_uri, None)
-    # one worker and no job runner: a UI for one person answers in seconds instead of ~45 s on 2
-    # cores (MLflow's default starts 4 uvicorn workers and a background job executor)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--host", "127.0.0.1", "--port", str(args.port), "--backend-store-uri", uri,
-           "--workers", str(args.workers)]
-    env = {**os.environ}
-    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
-    from tasks.tracking import ui_url
-
-    # the link opens MLflow 3's training view (runs and charts), not its GenAI (traces) view
-    print(f"MLflow UI on {ui_url(f'http://127.0.0.1:{args.port}')} (store {uri}); Ctrl-C to stop", flush=True)
-    try:
-        subprocess.run(cmd, check=False, env=env)
-    except KeyboardInterrupt:
-        pass
 
 
 def cmd_list(args) -> dict:
@@ -345,8 +319,6 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(out) if args.json else
                   f"partition {out['partition']} ({'cached' if out['cached'] else 'built'}): {out['num_clients']} clients, "
                   f"sizes {out['size_stats']}, sha256 {out['content_hash'][:16]}…")
-        elif args.command == "ui":
-            cmd_ui(args)
         elif getattr(args, "handler", None):
             return int(args.handler(args) or 0)
         elif args.command == "list":

@@ -1,6 +1,14 @@
 """``flockfl server``: ``prefect server start`` on 127.0.0.1 with the UI and the services a
 schedule needs (the per-process ephemeral API that ``flockfl run`` uses has them off), tied to
-this process, which prints the UI URL and the ``PREFECT_API_URL`` to export."""
+this process, which prints the UI URL and the ``PREFECT_API_URL`` to export.
+
+Servers that flockfl starts for a person (this one, and ``flockfl ui``'s MLflow server) leave
+nothing behind: :func:`start_group` runs them under a small guard process that leads a process
+group of its own; the server and every process it starts (uvicorn and its workers) are in that
+group. SIGTERM or SIGINT of flockfl stops the group (:func:`stop_group`); SIGKILL of flockfl
+reaches the guard through Linux's parent-death signal, and the guard stops the group itself:
+SIGTERM, then SIGKILL for what is left after ``grace`` seconds.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +18,120 @@ import time
 
 from flockfl.errors import UserError
 from flows.apiserver import healthy
-from flows.env import tie_to_parent
+
+# The guard (``python -c GUARD PARENT_PID GRACE CMD...``): standard library only, so it starts in
+# ~30 ms. It leads its own process group (start_new_session), asks the kernel for SIGTERM when
+# its parent dies (PR_SET_PDEATHSIG: even a SIGKILL of the parent), starts CMD in its group and
+# waits. On SIGTERM, SIGINT or SIGHUP, or when CMD exits, it stops the group's other members
+# (SIGTERM, then SIGKILL after GRACE s) and exits: with CMD's exit code, or 0 when stopped.
+GUARD = r"""# flockfl: the guard of a server's process group (flows/server.py)
+import os, signal, subprocess, sys, time
+parent, grace, cmd = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+stop = []
+for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(s, lambda n, f: stop.append(n))
+if sys.platform.startswith("linux"):
+    import ctypes
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+if os.getppid() != parent:  # the parent died before the guard could tie itself to it
+    sys.exit(1)
+me, group = os.getpid(), os.getpgrp()
+
+def others():
+    if not os.path.isdir("/proc"):
+        return None  # not Linux: members unknown, the group is killed whole
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit() and int(d) != me:
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == group and fields[0] != "Z":
+                pids.append(int(d))
+    return pids
+
+def reap():
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+child = subprocess.Popen(cmd) if not stop else None
+while child is not None and child.poll() is None and not stop:
+    time.sleep(0.1)
+code = 0 if stop or child is None else child.returncode
+try:
+    os.killpg(group, signal.SIGTERM)  # the guard's own handler just notes it
+except ProcessLookupError:
+    pass
+deadline = time.monotonic() + grace
+while time.monotonic() < deadline:
+    reap()
+    left = others()
+    if left == []:
+        break
+    time.sleep(0.1)
+left = others()
+if left is None:
+    os.killpg(group, signal.SIGKILL)
+for pid in left:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+reap()
+sys.exit(code)
+"""
+
+
+def start_group(cmd: list[str], grace: float = 10.0, **popen):
+    """Start ``cmd`` under the guard (see :data:`GUARD`): the returned ``Popen`` is the guard,
+    which leads the process group of the server and everything it starts. ``popen``: more
+    ``subprocess.Popen`` arguments (env, stdout, ...)."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", GUARD, str(os.getpid()), str(grace), *cmd],
+                            start_new_session=True, **popen)
+
+
+def stop_group(proc, wait: float = 20.0) -> None:
+    """Stop a group :func:`start_group` started: SIGTERM to its guard (which stops the group);
+    if the guard is not gone after ``wait`` s, SIGKILL to the whole group."""
+    import signal
+    import subprocess
+
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything left in the group (the guard leads it)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def on_sigterm(stop: dict):
+    """Make SIGTERM (``kill``) of flockfl raise KeyboardInterrupt, as Ctrl-C does, so the same
+    ``except``/``finally`` stops the server; ``stop["by"]`` says which. Returns the old handler."""
+    import signal
+
+    def _term(signum, frame):
+        stop["by"] = "SIGTERM"
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, _term)
 
 
 def server_env(port: int) -> dict:
@@ -55,17 +176,10 @@ def cmd_server(args) -> int:
     url = f"http://127.0.0.1:{port}"
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, env=server_env(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            preexec_fn=tie_to_parent())
-    early, ready = _relay(proc)
-
     stop = {"by": "Ctrl-C"}
-
-    def _term(signum, frame):  # `kill` of flockfl stops the server too
-        stop["by"] = "SIGTERM"
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, _term)
+    old = on_sigterm(stop)  # `kill` of flockfl stops the server too
+    proc = start_group(cmd, grace=15, env=server_env(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    early, ready = _relay(proc)
     try:
         t0 = time.monotonic()
         while not healthy(f"{url}/api", timeout=1.0):
@@ -83,13 +197,13 @@ def cmd_server(args) -> int:
         ready.set()
         return proc.wait()
     except KeyboardInterrupt:
-        # a terminal's Ctrl-C reached the server too (same process group): give it time to stop
-        _stop(proc, first_wait=10 if stop["by"] == "Ctrl-C" else 0)
+        # the server is in a process group of its own: a terminal's Ctrl-C reached flockfl only
+        stop_group(proc)
         print(f"flockfl: Prefect server stopped ({stop['by']})", file=sys.stderr)
         return 0
     finally:
+        stop_group(proc)
         signal.signal(signal.SIGTERM, old)
-        _stop(proc, first_wait=0)
 
 
 def _relay(proc):
@@ -112,22 +226,6 @@ def _relay(proc):
 
     threading.Thread(target=pump, name="prefect-server-output", daemon=True).start()
     return early, ready
-
-
-def _stop(proc, first_wait: float) -> None:
-    """Stop the server process: wait, then SIGTERM (uvicorn shuts down cleanly), then SIGKILL."""
-    import subprocess
-
-    for action, wait in ((None, first_wait), (proc.terminate, 15), (proc.kill, 10)):
-        if proc.poll() is not None:
-            return
-        if action:
-            action()
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def add_parser(sub) -> None:
