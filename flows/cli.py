@@ -21,7 +21,6 @@ from flows.env import configure_environment
 EXIT_USAGE = 2
 # what `flockfl list WHAT` lists; `experiments` and `partitions` need a project (a params.yaml)
 LISTS = ("algorithms", "experiments", "partitions", "datasets", "schemes", "models", "stages")
-FAMILIES = ("global", "clustered", "personalised")
 # path options whose relative values are the user's (made absolute before flockfl moves to the
 # project's root); their defaults stay relative, i.e. relative to the root
 PATH_OPTIONS = ("params", "partitions", "run_dir", "metrics_file", "out", "sweep_dir", "runs_root")
@@ -157,7 +156,7 @@ def cmd_partition(args) -> dict:
 
 
 def cmd_list(args) -> dict:
-    from flockfl.algorithms import ALGORITHMS, describe
+    from flockfl.algorithms import ALGORITHMS, FAMILIES, describe
     from flockfl.errors import did_you_mean
     from flockfl.reference import describe_stage
     from flockfl.stages import STAGES
@@ -260,6 +259,8 @@ def summary_lines(s: dict) -> list[str]:
         hit = s.get("rounds_to_target")
         line("target", f"accuracy {s['target_accuracy']}: " + (
             f"reached at round {hit}, sim_time {s['sim_time_to_target']:.1f}s" if hit else "not reached"))
+    for note in s.get("notes", []):
+        line("note", note)
     if s.get("clients_dropped"):
         line("dropped", f"{s['clients_dropped']} client trainings failed and were dropped (see --json)")
     for w in s.get("checkpoint_warnings", [])[:2]:
@@ -272,7 +273,8 @@ def summary_lines(s: dict) -> list[str]:
 
 
 def _print_algorithm(d: dict) -> None:
-    print(f"{d['name']}: {d['paper']}")
+    print(f"{d['name']} ({d.get('family')}{', from ' + d['origin'] if d.get('origin') not in (None, 'built-in') else ''}): "
+          f"{d['paper']}")
     print(f"stages it overrides: {', '.join(d['stages']) or 'none (FedAvg)'}")
     print("hyper-parameters (key, default, allowed, symbol, source of the default, meaning [which value, where]):")
     rows = [(h["key"], repr(h["default"]), h["allowed"], h["symbol"], h.get("source") or "–",
