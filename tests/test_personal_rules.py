@@ -111,13 +111,17 @@ APFL = [
     ("pfllib", {}, (True, 0.5, 0.02), "pfllib"),
     ("pfllib_decay_inverse", {"weight_decay": 0.05, "lr_schedule": LrSchedule("inverse", 0.5, 1.0)},
      (True, None, 0.02), "pfllib"),
+    ("alpha_0.3_pruned_w", {"masks": {"weight": torch.tensor([[[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 1.0]]],
+                                                             dtype=torch.float64)}}, (True, 0.5, 0.02), "paper"),
 ]
 
 
-def apfl_by_hand(v, w, a, batches, x, y, rates, wd, rho, adaptive, alpha_lr, c, variant):
+def apfl_by_hand(v, w, a, batches, x, y, rates, wd, rho, adaptive, alpha_lr, c, variant, mask=None):
     """The paper's APFL step (v ← v − η∇_v f(v̄), v̄ = αv + (1 − α)w; w ← w − η∇f(w); α ← clip(α −
     η_α(<v − w, ∇f(v̄)> + cα))), or PFLlib's (v on f(v), α after the steps, v ← αv + (1 − α)w at the
-    end), with torch's SGD weight decay and heavy ball on each model."""
+    end), with torch's SGD weight decay and heavy ball on each model (a pruning ``mask`` on w's
+    steps, as the trainer applies it)."""
+    mask = mask or {}
     bv = {k: torch.zeros_like(t) for k, t in v.items()}
     bw = {k: torch.zeros_like(t) for k, t in w.items()}
     for s, idx in enumerate(batches):
@@ -134,7 +138,7 @@ def apfl_by_hand(v, w, a, batches, x, y, rates, wd, rho, adaptive, alpha_lr, c, 
         bv = {k: rho * bv[k] + g_v[k] + wd * v[k] for k in v}
         bw = {k: rho * bw[k] + g_w[k] + wd * w[k] for k in w}
         v = {k: v[k] - eta * bv[k] for k in v}
-        w = {k: w[k] - eta * bw[k] for k in w}
+        w = {k: w[k] - eta * bw[k] * mask.get(k, 1.0) for k in w}
         if variant == "pfllib" and adaptive:
             mixed = {k: a * g_v[k] + (1 - a) * g_w[k] for k in v}
             a_next = a - eta_a * (dot({k: v[k] - w[k] for k in v}, mixed) + c * a)
@@ -162,7 +166,8 @@ def test_apfl_v_w_and_alpha_by_hand(over, alpha_rule, variant):
         batches = batches_of(spec, data, i)
         v, w, a = apfl_by_hand({k: t[i] for k, t in v0.items()}, dict(w0), 0.3, batches, x, y,
                                inverse(0.1, len(batches)) if "lr_schedule" in over else [0.1] * len(batches),
-                               spec.weight_decay, spec.momentum, adaptive, alpha_lr, c, variant)
+                               spec.weight_decay, spec.momentum, adaptive, alpha_lr, c, variant,
+                               {k: m[i] for k, m in (spec.masks or {}).items()})
         close(got_v, v, i)
         close(got_w, w, i, tol=1e-10)  # the trainer's w is the loop's
         assert float(got_a[i]) == pytest.approx(a, rel=1e-12, abs=1e-14)
@@ -456,10 +461,15 @@ def test_fedbn_averages_everything_but_the_batchnorm_tensors(tmp_path):
       "partition": {"scheme": "natural", "num_clients": 16}, "model": {"name": "linear"},
       "train": {"full_batch": True, "momentum": 0.9}, "algorithm": {"name": "fedsplit", "prox": "exact"}},
      "train.momentum: 0.9 acts in the trainers' SGD step, but fedsplit"),
+    ({"algorithm": {"name": "perfedavg", "variant": "pfllib", "beta": 0.01}},
+     "algorithm.beta: variant=pfllib sets α = β = train.lr"),
+    ({"algorithm": {"name": "apfl", "variant": "pfllib", "mix": "outputs"}},
+     "algorithm.variant: pfllib mixes parameters after the round"),
 ])
 def test_an_optimiser_term_an_own_loop_has_no_place_for_is_refused_in_one_line(over, needle):
     """No silent ignore: pFedMe's L2 is inner_l2 and its steps are plain; FedSplit's exact prox has
-    no steps. (APFL and Per-FedAvg take all three terms: the tests above.)"""
+    no steps (APFL and Per-FedAvg take all three terms: the tests above); PFLlib's Per-FedAvg has
+    no α or β of its own, PFLlib's APFL no output mixing."""
     from flockfl.errors import ConfigError
     from flockfl.experiments import validate
 

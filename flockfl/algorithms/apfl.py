@@ -19,8 +19,9 @@ torch's SGD) and ``train.momentum`` (heavy ball, one buffer per model, reset eve
 the authors' MLOPTPSU/FedTorch (one SGD optimiser per model, lr adjusted every step) and
 KarhouTam/FL-bench do. The α step is at ``alpha_lr`` when set, else at the step's η_s
 (FedTorch's alpha_update takes the adjusted lr). w comes from the run's trainer, so α = 0 is
-bit-identical FedAvg, and the loop's w_i is the trainer's to float rounding. BN statistics
-(frozen parameters) are not mixed by the loop: they follow w.
+bit-identical FedAvg, and the loop's w_i is the trainer's to float rounding (a pruning stage's
+masks included: they act on w's steps as in the trainer, not on v's). BN statistics (frozen
+parameters) are not mixed by the loop: they follow w.
 
 **PFLlib's APFL** (``algorithm.variant=pfllib``, TsingZ0/PFLlib clientapfl.py; default ``paper``,
 the rule above). On every step, with batch ξ:
@@ -121,6 +122,7 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
         a = float(out_a[i])
         bw = {k: torch.zeros_like(w[k]) for k in names}
         bv = {k: torch.zeros_like(w[k]) for k in names}
+        mask = {k: m[i] for k, m in (spec.masks or {}).items()}  # w's (Sub-FedAvg's), as the trainer applies them
         for s, idx in enumerate(batches):
             xb, yb = x_c[torch.as_tensor(idx, device=x_c.device)], y_c[torch.as_tensor(idx, device=y_c.device)]
             lr = rates[s]
@@ -143,7 +145,7 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
                 bv[k] = rho * bv[k] + (g_v[k] + wd * vi[k] if wd else g_v[k])
                 bw[k] = rho * bw[k] + (g_w[k] + wd * w[k] if wd else g_w[k])
                 vi[k] = vi[k] - lr * bv[k]
-                w[k] = w[k] - lr * bw[k]
+                w[k] = w[k] - lr * (bw[k] * mask[k] if k in mask else bw[k])
             if adaptive and variant == "pfllib":  # FedTorch's formula on the stepped models, the step's gradients
                 d_alpha = sum(float(((vi[k] - w[k]) * (a * g_v[k] + (1 - a) * g_w[k])).sum()) for k in names)
                 a_next = min(1.0, max(0.0, a - a_lr * (d_alpha + alpha_l2 * a)))
