@@ -72,21 +72,35 @@ def _sqlite_file(uri: str) -> Optional[Path]:
     return Path(path) if path and path != ":memory:" else None
 
 
+def _store_lock(db: Path) -> Path:
+    """The lock file of the SQLite store ``db``: one per database (its resolved path's digest) in
+    ``$XDG_RUNTIME_DIR/flockfl-mlflow`` or ``<tmp>/flockfl-mlflow-<uid>``."""
+    import hashlib
+    import tempfile
+
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "flockfl-mlflow" if runtime and os.path.isdir(runtime) else \
+        Path(tempfile.gettempdir()) / f"flockfl-mlflow-{os.getuid()}"
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return base / (hashlib.sha256(str(db.resolve()).encode()).hexdigest()[:32] + ".lock")
+
+
 def open_store(uri: str):
     """An ``MlflowClient`` on ``uri``, whose store exists when this returns.
 
     MLflow creates a missing SQLite store's schema when a client first touches it; two processes
     doing that at once both run the migration and one fails (``table ... already exists``). So
-    the first touch of a SQLite store in each process holds an exclusive lock on
-    ``<db>.lock`` beside the database: one process creates the schema (and the Default
-    experiment), the others wait and then open a complete store. Other URIs are opened as is."""
+    the first touch of a SQLite store in each process holds an exclusive lock (:func:`_store_lock`,
+    a per-user folder, not beside the database: a project's root keeps no stray lock file): one
+    process creates the schema (and the Default experiment), the others wait and then open a
+    complete store. Other URIs are opened as is."""
     from mlflow.tracking import MlflowClient
 
     db = _sqlite_file(uri)
     with _READY_LOCK:
         if db is not None and not (uri in _READY and db.exists()):
             db.parent.mkdir(parents=True, exist_ok=True)
-            with open(db.with_name(db.name + ".lock"), "a") as lock:
+            with open(_store_lock(db), "a") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
                 client = MlflowClient(tracking_uri=uri, registry_uri=uri)
                 client.search_experiments(max_results=1)  # creates the tracking store (and schema)

@@ -148,6 +148,9 @@ def test_summary_is_short_and_a_log_gets_a_line_per_round(workdir):
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("\n") == 1 and json.loads(res.stdout)["algorithm"] == "fedavg"
     assert res.stderr.count(" round ") == 3
+    # nothing stray in the project's root: the store's lock lives in a per-user folder
+    left = {p.name for p in workdir.iterdir()}
+    assert left <= {"params.yaml", "data", "runs", "m.db", "mlruns", ".prefect"}, left
 
 
 def test_partition_command_writes_npz_and_summary(in_workdir, capsys):
