@@ -238,11 +238,12 @@ def test_the_pfllib_table_is_covered_by_the_generic_repro_checks(tmp_path):
 
     assert "pfllib_fmnist" in repro.table_names()
     t = repro.load_table("pfllib_fmnist")
-    assert list(t.rows) == ["FedAvg", "Per-FedAvg", "pFedMe", "Ditto", "APFL", "FedPer", "FedRep", "FedBABU"]
+    assert list(t.rows) == ["FedAvg", "Per-FedAvg", "pFedMe", "Ditto", "APFL", "FedPer", "FedRep", "FedBABU",
+                            "Per-FedAvg (PFLlib)", "APFL (PFLlib)", "Ditto (PFLlib)", "Local", "FedAvg+FT"]
     assert list(t.columns) == ["pathological", "Dir(0.1)"] and set(t.budgets) == {"paper", "cpu", "cpu_full"}
     assert t.budgets["cpu_full"] == {"train": {"rounds": 5, "eval_every": 1}}  # PFLlib's full data, 5 rounds
     assert t.published["PFLlib"]["FedRep"] == {"pathological": [99.56, 0.03], "Dir(0.1)": [97.56, 0.04]}
-    assert t.tolerance == {"PFLlib": 2.0} and t.conventions[0]["metric"] == "accuracy"
+    assert t.tolerance == {"PFLlib": 2.0} and t.conventions[0]["metric"] == ["accuracy_finetuned", "accuracy"]
     plan = repro.plan_repro("pfllib_fmnist", "paper", [0], None, None, [], "params.yaml", str(tmp_path))
     for child in plan.sweep.children:
         c = child.cfg
@@ -252,6 +253,28 @@ def test_the_pfllib_table_is_covered_by_the_generic_repro_checks(tmp_path):
         assert (c.eval.test_set, c.eval.average, c.eval.report) == ("proportional", "samples", "best")
     schemes = {ch.cfg.partition.scheme for ch in plan.sweep.children}
     assert schemes == {"pfllib_pat", "dirichlet"}
+
+
+def test_the_pfllib_rows_run_pfllibs_rules_beside_the_papers(tmp_path):
+    """The '(PFLlib)' rows set the PFLlib variants (n_i weights, as PFLlib), the paper rows keep the
+    registry's rules; 'Local' trains alone; 'FedAvg+FT' fine-tunes before every evaluation and is
+    read through accuracy_finetuned (the conventions take the first metric a run has)."""
+    from flows import repro
+
+    plan = repro.plan_repro("pfllib_fmnist", "cpu", [0], None, ["pathological"], [], "params.yaml", str(tmp_path))
+    assert len(plan.sweep.children) == 13
+    by_algo = {}
+    for child in plan.sweep.children:
+        by_algo.setdefault(child.cfg.algorithm.name, []).append((child.cfg.algorithm.hyper(), child.cfg.train))
+    pfa = [a for a, _ in by_algo["perfedavg"]]
+    assert sorted(a["variant"] for a in pfa) == ["fo", "pfllib"]
+    assert [a["weighting"] for a in pfa if a["variant"] == "pfllib"] == ["samples"]
+    apfl = {a["variant"]: a for a, _ in by_algo["apfl"]}
+    assert apfl["pfllib"]["alpha_l2"] == 0.02 and apfl["paper"]["alpha_l2"] == 0.0
+    ditto = sorted((a["eval"], a["schedule"]) for a, _ in by_algo["ditto"])
+    assert ditto == [("best_of", "sequential"), ("personal", "interleaved")]
+    assert len(by_algo["local"]) == 1
+    assert sorted(t.eval_finetune for _, t in by_algo["fedavg"]) == ["every", "off"]
 
 
 # ---------------------------------------------------------------------- evaluation under the local split
