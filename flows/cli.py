@@ -267,7 +267,8 @@ def summary_lines(s: dict) -> list[str]:
         lines.append(f"  warning: {w}")
     line("run dir", str(s.get("run_dir")))
     if s.get("run_id"):
-        line("MLflow", f"run {s['run_id'][:12]}…", f"browse: flockfl ui --tracking-uri {s.get('tracking_uri')}")
+        line("MLflow", f"run {s['run_id'][:12]}…", f"browse: flockfl ui --tracking-uri {s.get('tracking_uri')} "
+                                                    f"--experiment {s.get('mlflow_experiment') or s.get('experiment')}")
     lines.append("  (every metric and convention: flockfl run ... --json, or the MLflow run)")
     return lines
 

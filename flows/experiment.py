@@ -408,6 +408,7 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "run_dir": str(run_path),
         "experiment": cfg.name,
         "algorithm": cfg.algorithm.name,
+        "mlflow_experiment": cfg.tracking.experiment or cfg.name,
         **({"notes": _notes(cfg)} if _notes(cfg) else {}),
         "rounds": state.round,
         "resumed_from_round": resumed_from,
