@@ -18,6 +18,11 @@ SOLVERS = {"perfedavg", "pfedme"}  # local steps are their own solver: no paced 
 # FedRep's head epochs run before the stages see the round: a data curriculum would pace its body epochs only
 REFUSED = {("fedrep", "data_curriculum"): r"curriculum.ordering: curr would pace fedrep's body epochs only"}
 
+# a split that leaves each method something personal (their defaults on the two-layer MLP would be
+# FedAvg, which validation refuses): LG keeps the hidden layer local, FedBN gets a BatchNorm model
+OWN = {"lg_fedavg": {"algorithm": {"name": "lg_fedavg", "global_layers": "top:1"}},
+       "fedbn": {"algorithm": {"name": "fedbn"}, "model": {"name": "lenet5_bn"}}}
+
 STAGES = {
     "shift": ({"shift": {"kind": "swap_all", "probability": 1.0}}, lambda h, last: sum(r["clients_shifted"] for r in h) > 0),
     "data_curriculum": ({"curriculum": {"ordering": "curr"}}, lambda h, last: "difficulty_std" in last),
@@ -32,11 +37,12 @@ STAGES = {
 @pytest.mark.parametrize("name", BASELINES)
 def test_baseline_composes_with_stage(name, stage, tmp_path):
     over, acted = STAGES[stage]
+    over = {**OWN.get(name, {"algorithm": {"name": name}}), **over}
     if (name, stage) in REFUSED:
         with pytest.raises(ConfigError, match=REFUSED[name, stage]):
-            validate(tiny_config(algorithm={"name": name}, train={"rounds": 2}, **over))
+            validate(tiny_config(train={"rounds": 2}, **over))
         return
-    cfg = validate(tiny_config(algorithm={"name": name}, train={"rounds": 2}, **over))
+    cfg = validate(tiny_config(train={"rounds": 2}, **over))
     if name in SOLVERS and stage in ("data_curriculum", "pruning"):
         with pytest.raises(ConfigError, match=r"^(curriculum.ordering|pruning.method): .*own local solver"):
             run_rounds(prepare(cfg, tmp_path))
