@@ -5,6 +5,7 @@ shard's rows. Every other stage of the round runs in the flow's process, where t
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
@@ -146,13 +147,34 @@ def dask_cluster(ex):
     from distributed import LocalCluster
 
     # no dashboard; the scheduler's HTTP endpoint (health, metrics) on a free loopback port
-    cluster = LocalCluster(n_workers=ex.workers, threads_per_worker=ex.threads_per_worker, processes=True,
-                           host="127.0.0.1", dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
-                           silence_logs=logging.ERROR)
+    with own_thread_env():
+        cluster = LocalCluster(n_workers=ex.workers, threads_per_worker=ex.threads_per_worker, processes=True,
+                               host="127.0.0.1", dashboard_address=None,
+                               scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}, silence_logs=logging.ERROR)
     try:
         yield cluster.scheduler_address
     finally:
         cluster.close()
+
+
+THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+@contextmanager
+def own_thread_env():
+    """Starting a LocalCluster sets OMP_NUM_THREADS=1 (and MKL's, OpenBLAS's) in *this* process's
+    environment, meant for its workers; flockfl reads OMP_NUM_THREADS for a run's thread count, so
+    every later run of the process (a sweep, the test suite) would train on one thread and end in
+    other bits. The driver's own values are put back once the cluster has started."""
+    saved = {k: os.environ.get(k) for k in THREAD_ENV}
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextmanager

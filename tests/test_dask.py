@@ -145,10 +145,30 @@ def cluster():
     """An existing two-worker cluster the flows connect to by executor.address."""
     from distributed import LocalCluster
 
+    from flows.dask import own_thread_env
+
     os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "error")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
-                      scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}, silence_logs=logging.ERROR) as c:
+    with own_thread_env():
+        c = LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+                         scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}, silence_logs=logging.ERROR)
+    with c:
         yield c
+
+
+def test_a_local_cluster_leaves_the_drivers_thread_count_alone():
+    """distributed sets OMP_NUM_THREADS=1 in the process that starts a LocalCluster; flockfl reads
+    it for a run's threads, so without own_thread_env every later run would change its bits."""
+    from distributed import LocalCluster
+
+    from flockfl.engine.trainers import resolve_threads
+    from flows.dask import own_thread_env
+
+    before = (os.environ.get("OMP_NUM_THREADS"), resolve_threads())
+    with own_thread_env():
+        c = LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None,
+                         scheduler_kwargs={"dashboard_address": "127.0.0.1:0"}, silence_logs=logging.ERROR)
+    c.close()
+    assert (os.environ.get("OMP_NUM_THREADS"), resolve_threads()) == before
 
 
 @pytest.fixture(scope="module")
