@@ -346,6 +346,12 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
     return choice, {"reference_s_est": ref, "vectorized_s_est": vec, "vectorized_step_s": per_step}
 
 
+# the user's OMP_NUM_THREADS as this process started: a Dask LocalCluster's nannies set
+# OMP_NUM_THREADS=1 in the *driver's* environment (for their workers) whenever they spawn one,
+# and a later run of this process must not read that as the user's thread count (other bits)
+USER_OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")
+
+
 def resolve_threads(threads: int = 0) -> int:
     """The intra-op thread count a run uses, without touching torch: ``train.threads`` when set;
     else ``OMP_NUM_THREADS`` (its first value; capped by ``FLOCKFL_MAX_THREADS``); else the cores
@@ -355,7 +361,7 @@ def resolve_threads(threads: int = 0) -> int:
     if threads:
         return threads
     cap = _positive(os.environ.get("FLOCKFL_MAX_THREADS"))
-    omp = _positive((os.environ.get("OMP_NUM_THREADS") or "").split(",")[0])
+    omp = _positive((USER_OMP_NUM_THREADS or "").split(",")[0])
     if omp:
         return min(omp, cap) if cap else omp
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
