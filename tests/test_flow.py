@@ -149,7 +149,8 @@ def test_resume_with_a_corrupt_newest_checkpoint_falls_back(project, reference_r
 
 def test_existing_run_dir_is_not_overwritten(project, reference_run):
     res = run_flock(["run", "e2e.yaml", "--run-dir", "runs/full", "--tracking-uri", uri(project)], project, timeout=120)
-    assert res.returncode == 2 and "flockfl resume runs/full" in res.stderr
+    # the path typed is made absolute (it means what it meant where it was typed)
+    assert res.returncode == 2 and f"flockfl resume {(project / 'runs/full').resolve()}" in res.stderr
 
 
 def test_flock_ui_serves_mlflow_on_loopback(project, reference_run):
