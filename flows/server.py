@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Callable
 
 from flockfl.errors import UserError
 from flows.apiserver import healthy
@@ -164,15 +165,34 @@ def _port_free(port: int) -> bool:
     return True
 
 
+def check_port(port: int, what: str) -> None:
+    """A one-line error unless ``port`` is a TCP port free on 127.0.0.1 (``what`` names the server
+    that may already hold it)."""
+    if not 0 < port < 65536:
+        raise UserError(f"--port {port}: not a TCP port; pick one in 1-65535")
+    if not _port_free(port):
+        raise UserError(f"port {port} on 127.0.0.1 is in use ({what} already running?); pick another with --port")
+
+
+def wait_until_up(proc, api_url: str, name: str, exited: Callable[[], str]) -> float:
+    """Wait (3 minutes at most) until the server ``proc`` answers ``<api_url>/health``; one-line
+    errors when it exits first (``exited()`` says how) or never answers. Returns the seconds waited."""
+    t0 = time.monotonic()
+    while not healthy(api_url, timeout=1.0):
+        if proc.poll() is not None:
+            raise UserError(f"the {name} exited during start-up (code {proc.returncode}){exited()}")
+        if time.monotonic() - t0 > 180:
+            raise UserError(f"the {name} did not answer at {api_url}/health within 180 s")
+        time.sleep(0.3)
+    return time.monotonic() - t0
+
+
 def cmd_server(args) -> int:
     import signal
     import subprocess
 
     port = args.port
-    if not 0 < port < 65536:
-        raise UserError(f"--port {port}: not a TCP port; pick one in 1-65535")
-    if not _port_free(port):
-        raise UserError(f"port {port} on 127.0.0.1 is in use (a server already running?); pick another with --port")
+    check_port(port, "a server")
     url = f"http://127.0.0.1:{port}"
     home = os.environ.get("PREFECT_HOME", "~/.prefect")
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
@@ -181,15 +201,9 @@ def cmd_server(args) -> int:
     proc = start_group(cmd, grace=15, env=server_env(port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     early, ready = _relay(proc)
     try:
-        t0 = time.monotonic()
-        while not healthy(f"{url}/api", timeout=1.0):
-            if proc.poll() is not None:
-                last = next((ln for ln in reversed(early) if ln.strip()), "no output")
-                raise UserError(f"the Prefect server exited during start-up (code {proc.returncode}): {last.strip()}")
-            if time.monotonic() - t0 > 180:
-                raise UserError(f"the Prefect server did not answer at {url}/api/health within 180 s")
-            time.sleep(0.3)
-        print(f"Prefect server ready in {time.monotonic() - t0:.0f}s (database in {home}); Ctrl-C stops it.\n"
+        waited = wait_until_up(proc, f"{url}/api", "Prefect server",
+                               lambda: ": " + next((ln for ln in reversed(early) if ln.strip()), "no output").strip())
+        print(f"Prefect server ready in {waited:.0f}s (database in {home}); Ctrl-C stops it.\n"
               f"  UI:  {url}\n"
               f"  API: {url}/api\n"
               f"In the shell that runs flockfl schedule (or flockfl run, to see its runs in the UI):\n"

@@ -76,14 +76,11 @@ def cmd_ui(args) -> int:
     import signal
     import subprocess
 
-    from flows.server import _port_free, on_sigterm, start_group, stop_group
+    from flows.server import check_port, on_sigterm, start_group, stop_group, wait_until_up
     from tasks.tracking import resolve_tracking_uri, ui_url
 
     port = args.port
-    if not 0 < port < 65536:
-        raise UserError(f"--port {port}: not a TCP port; pick one in 1-65535")
-    if not _port_free(port):
-        raise UserError(f"port {port} on 127.0.0.1 is in use (an MLflow UI already running?); pick another with --port")
+    check_port(port, "an MLflow UI")
     uri = resolve_tracking_uri(args.tracking_uri, None)
     base = f"http://127.0.0.1:{port}"
     # one worker and no job runner: a UI for one person answers in seconds instead of ~45 s on 2
@@ -99,12 +96,7 @@ def cmd_ui(args) -> int:
         t0 = time.monotonic()
         # while the server starts (10-30 s on 2 cores): the experiment, and its results view
         link, what = _results_link(uri, base, args.experiment)
-        while not _healthy(base):
-            if proc.poll() is not None:
-                raise UserError(f"the MLflow server exited during start-up (code {proc.returncode}); its output is above")
-            if time.monotonic() - t0 > 180:
-                raise UserError(f"the MLflow UI did not answer at {base}/health within 180 s")
-            time.sleep(0.3)
+        wait_until_up(proc, base, "MLflow server", lambda: "; its output is above")
         print(f"MLflow UI ready in {time.monotonic() - t0:.0f}s (store {uri}); Ctrl-C stops it.\n"
               f"  {what}: {link}\n"
               f"  every experiment: {ui_url(base)}", flush=True)
@@ -139,13 +131,3 @@ def _results_link(uri: str, base: str, wanted: Optional[str]) -> tuple[str, str]
     keys = _metric_keys(client, exp.experiment_id)
     view = save_results_view(client, exp.experiment_id, keys)
     return ui_url(base, exp.experiment_id, view=view), f"runs of {exp.name}"
-
-
-def _healthy(base: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"{base}/health", timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
