@@ -234,3 +234,28 @@ def spy(obj, name: str) -> list:
 
     setattr(obj, name, wrapper)
     return calls
+
+
+def flockfl_run(cfg_dict: dict, parts: Path, dtype=None):
+    """flockfl's run for a lockstep test against a written-out reference loop (the NIID-Bench and
+    curriculum-thesis tests): the round-0 model, the global parameters after each round, each round's
+    accuracy, the cohorts and the partition's training indices."""
+    import torch
+
+    from flockfl.experiments import validate
+    from flockfl.rng import np_rng
+    from flockfl.rounds import prepare, run_rounds
+
+    prep = prepare(validate(cfg_dict), parts)
+    if dtype is not None and dtype != torch.float32:  # the model and the inputs in that dtype (the update rules are dtype-blind)
+        prep.ctx.model.to(dtype)
+        d = prep.ctx.data
+        d.train.x, d.test.x = d.train.x.to(dtype), d.test.x.to(dtype)
+        if d.pool is not None:
+            d.pool.x = d.pool.x.to(dtype)
+    init = {k: v[0].clone() for k, v in prep.algorithm.init_state(prep.ctx).models.items()}
+    after: list[dict] = []
+    state = run_rounds(prep, on_round=lambda st, row: after.append({k: v[0].clone() for k, v in st.models.items()}))
+    cohorts = [np.sort(np_rng(prep.cfg.seed, r, purpose="select").choice(prep.ctx.num_clients, size=prep.cfg.train.clients_per_round,
+                                                                       replace=False)) for r in range(prep.cfg.train.rounds)]
+    return prep, init, after, [row["accuracy"] for row in state.history], cohorts

@@ -28,6 +28,7 @@ from flockfl.experiments import validate
 from flockfl.rng import np_rng
 from flockfl.rounds import prepare, run_rounds
 
+from conftest import flockfl_run
 from test_niid_lockstep import fmnist_files, max_diff, read_idx, to_tensor
 
 ENGINES = ("reference", "vectorized")
@@ -109,17 +110,9 @@ def fmnist_slice(tmp: Path, n_train: int, n_test: int) -> tuple[Path, dict]:
 def lockstep(engine: str, tmp: Path, hp: dict = HP, seed: int = 0, clients: int = 20, per_round: int = 5,
              rounds: int = 3, alpha: float = 0.05, dtype=torch.float64):
     npz, arrays = fmnist_slice(tmp, 1200, 300)
-    prep = prepare(validate(config(engine, npz, hp, seed, clients, per_round, rounds, alpha)), tmp / "parts")
-    prep.ctx.model.to(dtype)
+    prep, init, after, accs, cohorts = flockfl_run(config(engine, npz, hp, seed, clients, per_round, rounds, alpha),
+                                                   tmp / "parts", dtype)
     data = prep.ctx.data
-    data.train.x, data.test.x = data.train.x.to(dtype), data.test.x.to(dtype)
-    if data.pool is not None:
-        data.pool.x = data.pool.x.to(dtype)
-    init = {k: v[0].clone() for k, v in prep.algorithm.init_state(prep.ctx).models.items()}
-    after: list = []
-    state = run_rounds(prep, on_round=lambda st, row: after.append({k: v[0].clone() for k, v in st.models.items()}))
-    cohorts = [np.sort(np_rng(seed, r, purpose="select").choice(clients, size=per_round, replace=False))
-               for r in range(rounds)]
     from flockfl.data.datasets import load_dataset
     from flockfl.data.schemes import make_partition
 
@@ -130,7 +123,7 @@ def lockstep(engine: str, tmp: Path, hp: dict = HP, seed: int = 0, clients: int 
     ref_names = lambda p: {f"{names[k.split('.')[0]]}.{k.split('.')[1]}": v for k, v in p.items()}  # noqa: E731
     ref, accs = algorithm1(ref_names(init), train, (arrays["x_test"].to(dtype), arrays["y_test"]), cohorts, hp, seed, dtype)
     mine = [ref_names(a) for a in after]
-    return {"diffs": [max_diff(a, r) for a, r in zip(mine, ref)], "accs": [row["accuracy"] for row in state.history],
+    return {"diffs": [max_diff(a, r) for a, r in zip(mine, ref)], "accs": accs,
             "ref_accs": accs, "ref": ref, "init": ref_names(init), "sizes": data.train.sizes, "cohorts": cohorts,
             "covered": np.sort(np.concatenate(part.test_idx)), "n_test": len(arrays["y_test"])}
 

@@ -42,9 +42,9 @@ import yaml
 from torch import nn
 from torch.nn import functional as F
 
-from flockfl.experiments import validate
 from flockfl.rng import np_rng
-from flockfl.rounds import prepare, run_rounds
+
+from conftest import flockfl_run
 
 ROOT = Path(__file__).resolve().parents[1]
 FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -265,24 +265,6 @@ def flockfl_config(alg: str, engine: str, npz: Path, hp: dict, seed: int, client
             "partition": {"scheme": "dirichlet", "alpha": 0.5, "num_clients": clients},
             "model": {"name": table["base"]["model"]["name"]}, "algorithm": algorithm, "train": train,
             "eval": dict(table["base"]["eval"]), "tracking": {"enabled": False}}
-
-
-def flockfl_run(cfg_dict: dict, parts: Path, dtype: torch.dtype):
-    """flockfl's run: the round-0 model, the global parameters after each round, each round's
-    accuracy, the cohorts and the partition's training indices."""
-    prep = prepare(validate(cfg_dict), parts)
-    if dtype != torch.float32:  # the model and the inputs in that dtype (the update rules are dtype-blind)
-        prep.ctx.model.to(dtype)
-        d = prep.ctx.data
-        d.train.x, d.test.x = d.train.x.to(dtype), d.test.x.to(dtype)
-        if d.pool is not None:
-            d.pool.x = d.pool.x.to(dtype)
-    init = {k: v[0].clone() for k, v in prep.algorithm.init_state(prep.ctx).models.items()}
-    after: list[dict] = []
-    state = run_rounds(prep, on_round=lambda st, row: after.append({k: v[0].clone() for k, v in st.models.items()}))
-    cohorts = [np.sort(np_rng(prep.cfg.seed, r, purpose="select").choice(prep.ctx.num_clients, size=prep.cfg.train.clients_per_round,
-                                                                       replace=False)) for r in range(prep.cfg.train.rounds)]
-    return prep, init, after, [row["accuracy"] for row in state.history], cohorts
 
 
 def to_reference(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
