@@ -82,8 +82,9 @@ def test_a_small_table_end_to_end_and_continued(tmp_path):
     assert "(budget 'paper'; the paper's: 50 × 10)" in res.stdout and "protocol: test_set=proportional, average=samples, report=best" in res.stdout
     assert "applied to every cell: dataset.name=digits" in res.stdout
     assert "4 cells × 1 seed = 4 runs at budget 'paper' (the table's default)" in res.stdout
-    assert "repro: run 1/4 (FedAvg | IID seed=0) took " in res.stderr  # the estimate, after the first run
-    assert "at that pace the table needs about " in res.stderr and "more for the 3 runs left" in res.stderr
+    # the estimate, after the first run (the whole stderr on failure: pytest would cut its middle)
+    assert "repro: run 1/4 (FedAvg | IID seed=0) took " in res.stderr, "stderr was:\n" + res.stderr
+    assert "at that pace the table needs about " in res.stderr and "more for the 3 runs left" in res.stderr, res.stderr
     table = Path(tmp_path, out["out"], "table.md").read_text()
     assert "| FedAvg |" in table and "89.23 ± 0.45" in table and "Where and why ours may differ" in table
 
