@@ -29,7 +29,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import io
 import math
 import os
 import queue
@@ -40,6 +39,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from flockfl.faults import maybe_crash
+from tasks.quiet import quiet_stderr
 
 DEFAULT_URI = "sqlite:///mlflow.db"
 
@@ -537,10 +537,11 @@ class Tracker:
         logged, versions = self._exported(registered_name)
         k = next(iter(stacked.values())).shape[0]
         reqs = [f"torch=={torch.__version__.split('+')[0]}"]
-        # the registry prints "Created version ..." to stderr for every version: keep it quiet
+        # the registry prints "Created version ..." to stderr for every version: keep it quiet, in
+        # this thread only (a sweep's next run and its log lines go on meanwhile: tasks/quiet.py)
         # (and the pickle format's warning about unpickling untrusted files: these are the run's own)
         # torch.export traces through process-global state: one model at a time (flockfl sweep --parallel)
-        with _EXPORT_LOCK, mlflow.start_run(run_id=self.run_id), contextlib.redirect_stderr(io.StringIO()), \
+        with _EXPORT_LOCK, mlflow.start_run(run_id=self.run_id), quiet_stderr(), \
                 _quiet("mlflow.pytorch"), _own_requirements():
             for j in range(k):
                 if j in versions or (j in logged and not registered_name):
