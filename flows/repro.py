@@ -16,7 +16,10 @@ A table is a file ``configs/repro/<name>.yaml`` (``flockfl repro --list`` names 
   ``eval`` in docs/config.md);
 - ``published``: per source (the paper, an independent reproduction), per row and column, the
   number (percent), or [mean, std]; ``tolerance``: per source, the points within which ours
-  should land (the table counts the cells that do).
+  should land (the table counts the cells that do). Ours is compared under the first
+  convention, or under the one a row names in ``compare`` (a convention's label: where the
+  paper's code measured that method another way, e.g. a cluster model as served); the compared
+  value is marked ``*`` in the printed table.
 
 Every cell × seed is one child run of ``flockfl sweep``'s machinery (flows/sweep.py): one Prefect
 API and one MLflow store, the children nested under one MLflow parent run, which also gets the
@@ -127,7 +130,11 @@ def load_table(name: str) -> Table:
               seeds=list(raw.get("seeds") or [0, 1, 2]), conventions=conventions,
               published=raw.get("published") or {}, tolerance=raw.get("tolerance") or {},
               notes=list(raw.get("notes") or []), scale=float(raw.get("scale", 100.0)))
+    labels = [c["label"] for c in t.conventions]
     for r, row in t.rows.items():
+        if "compare" in row and row["compare"] not in labels:
+            raise ConfigError(f"{path}: rows.{r}.compare is {row['compare']!r}, not a convention's label; "
+                              f"choose one of: {'; '.join(labels)}")
         bad = set(row.get("only_columns") or ()) - set(t.columns)
         if bad:
             raise ConfigError(f"{path}: rows.{r}.only_columns names column(s) {', '.join(sorted(bad))} not in columns")
@@ -185,8 +192,16 @@ class ReproPlan:
                 for r in self.rows for c in self.cols if has_cell(t, r, c)]
 
 
+ROW_KEYS = ("only_columns", "compare")  # a row's keys that are the table's, not the run's config
+
+
 def row_config(row: dict) -> dict:
-    return {k: v for k, v in row.items() if k != "only_columns"}
+    return {k: v for k, v in row.items() if k not in ROW_KEYS}
+
+
+def compared(t: Table, row: str) -> str:
+    """The convention whose value is compared with the published numbers in ``row``."""
+    return t.rows[row].get("compare") or t.conventions[0]["label"]
 
 
 def has_cell(t: Table, row: str, col: str) -> bool:
@@ -387,7 +402,6 @@ def render(plan: ReproPlan) -> tuple[str, dict]:
         for source in t.published:
             header.append(f"{c + ' ' if c else ''}{source}")
     lines, cells_json = [], []
-    first = t.conventions[0]["label"]
     hits = {s: [0, 0] for s in t.tolerance}
     for r in plan.rows:
         line = [r]
@@ -395,10 +409,12 @@ def render(plan: ReproPlan) -> tuple[str, dict]:
             if not has_cell(t, r, c):
                 line += ["·"] * (len(t.conventions) + len(t.published))
                 continue
-            v = vals[(r, c)]
-            line += [_ms(v[conv["label"]]) for conv in t.conventions]
+            v, first = vals[(r, c)], compared(t, r)
+            star = len(t.conventions) > 1 and bool(t.published)
+            line += [_ms(v[conv["label"]]) + ("*" if star and conv["label"] == first and v[first] else "")
+                     for conv in t.conventions]
             cell = {"row": r, "column": c, "ours": {k: {"values": xs, "mean": statistics.fmean(xs) if xs else None}
-                                                     for k, xs in v.items()}, "published": {}}
+                                                     for k, xs in v.items()}, "published": {}, "compared": first}
             for source, by_row in t.published.items():
                 pub = (by_row.get(r) or {}).get(c)
                 line.append(_pub_text(pub))
@@ -410,6 +426,9 @@ def render(plan: ReproPlan) -> tuple[str, dict]:
             cells_json.append(cell)
         lines.append(line)
     text = markdown_table(header, lines)
+    if len(t.conventions) > 1 and t.published:
+        text += ("\n\n`*`: the convention compared with the published numbers (the first, or the row's own where its "
+                 "paper's code measured that method another way)")
     within = {s: {"within": h[0], "of": h[1], "points": float(t.tolerance[s])} for s, h in hits.items()}
     return text, {"cells": cells_json, "within_tolerance": within}
 

@@ -214,3 +214,31 @@ def test_the_cli_refuses_a_table_without_its_data_and_dry_run_says_so(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot start" in lines[0] and "missing/data.npz" in lines[0], res.stderr
     assert not (tmp_path / "runs" / "repro").exists() or not list((tmp_path / "runs" / "repro").rglob("sweep.json"))
+
+
+def test_a_row_compared_under_its_own_convention(tmp_path, monkeypatch):
+    """A row's ``compare`` (the thesis's code measures CFL's cluster model as served) picks the
+    convention counted against the published number; the compared value is marked ``*``; a
+    label that is no convention is a one-line error."""
+    _tiny_table(tmp_path, monkeypatch, {"name": "digits"})
+    raw = yaml.safe_load((repro.TABLES_DIR / "tiny.yaml").read_text())
+    raw["conventions"] = [{"label": "after local training", "metric": "accuracy_finetuned"},
+                          {"label": "as served", "metric": "accuracy"}]
+    raw["published"] = {"src": {"FedAvg": {"a": 50.0}, "FedProx": {"a": 90.0}}}
+    raw["tolerance"] = {"src": 2}
+    raw["rows"]["FedProx"]["compare"] = "as served"
+    (repro.TABLES_DIR / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    plan = repro.plan_repro("tiny", "cpu", [0], None, ["a"], [], "params.yaml")
+    assert all("compare" not in " ".join(c.overrides) for c in plan.sweep.children)  # the table's key, not the run's
+    for child in plan.sweep.children:  # both rows: 90 % as served, 50 % after local training
+        child.status, child.summary = "finished", {"metrics": {"accuracy": 0.9, "accuracy_finetuned": 0.5}}
+    text, data = repro.render(plan)
+    cells = {c["row"]: c for c in data["cells"]}
+    assert cells["FedAvg"]["compared"] == "after local training" and cells["FedProx"]["compared"] == "as served"
+    assert data["within_tolerance"]["src"] == {"within": 2, "of": 2, "points": 2.0}
+    assert "| FedAvg | 50.00* | 90.00 |" in text and "| FedProx | 50.00 | 90.00* |" in text
+    raw["rows"]["FedProx"]["compare"] = "served"
+    (repro.TABLES_DIR / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match="rows.FedProx.compare is 'served', not a convention's label; choose one of: "
+                                          "after local training; as served"):
+        repro.load_table("tiny")
