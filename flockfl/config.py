@@ -249,9 +249,13 @@ class TrainConfig(_Section):
     full_batch: bool = Field(False, description="every local step uses the client's whole training set (one step "
                                                 "per epoch: gradient descent)")
     lr: float = Field(0.05, gt=0, description="the local SGD learning rate η₀")
-    # local heavy-ball momentum ρ (buf ← ρ·buf + g, reset every round) for every local training
-    # (the thesis's curriculum runs use 0.9, Sub-FedAvg 0.5); FedNova has its own algorithm.momentum
+    # local heavy-ball momentum ρ (buf ← ρ·buf + g, reset every round unless optimizer_state=persist) for every local
+    # training (the thesis's curriculum runs use 0.9, Sub-FedAvg 0.5); FedNova has its own algorithm.momentum
     momentum: float = Field(0.0, ge=0, lt=1)
+    # the local optimiser's state (the momentum buffer) between a client's rounds: reset (a fresh optimiser every
+    # round, the papers') or persist (each client's buffer kept in the server state and resumed where its last round
+    # left it, as codes that keep one optimiser per client do, e.g. CFL's notebook); needs train.momentum
+    optimizer_state: Literal["reset", "persist"] = "reset"
     # L2 weight decay ω, added to every local gradient before momentum as torch.optim.SGD's weight_decay does
     # (g + ω·w; NIID-Bench 1e-5, the curriculum thesis 5e-4)
     weight_decay: float = Field(0.0, ge=0)

@@ -101,7 +101,7 @@ def _map_tensors(obj: Any, fn) -> Any:
     return obj
 
 
-_SPEC_TENSORS = ("init", "prox_anchor", "correction", "masks", "meta", "order")
+_SPEC_TENSORS = ("init", "prox_anchor", "correction", "momentum_init", "masks", "meta", "order")
 
 
 def map_spec(spec: LocalSpec, fn) -> LocalSpec:

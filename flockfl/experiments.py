@@ -114,6 +114,7 @@ def _check_registered(cfg: ExperimentConfig) -> None:
     cls.check_config(cfg)
     check_natural_only(cfg.dataset.name, part.scheme)
     _check_local_optimiser(cfg)
+    _check_optimizer_state(cfg, cls)
     _check_test_split(cfg)
 
 
@@ -175,6 +176,37 @@ def _check_local_optimiser(cfg: ExperimentConfig) -> None:
         what = "‖a_i‖₁ of one constant local η" if name == "fednova" else "(x − y_i)/(K·train.lr), one constant local η"
         raise ValueError(f"train.lr_schedule: {t.lr_schedule!r} changes the local rate, but {name} normalises by {what}; "
                          "use train.lr_schedule=constant")
+
+
+def _check_optimizer_state(cfg: ExperimentConfig, cls: type) -> None:
+    """``train.optimizer_state=persist`` keeps each client's local momentum buffer from one of its rounds to the
+    next, in the trainers' SGD step. Refuse it (one line) where there is nothing to keep (no momentum), and where a
+    client's local update is not (only) that step: a method whose own loop or second pass keeps buffers of its own
+    that flockfl resets every round (APFL's (v, α) loop, Per-FedAvg's meta-steps, Ditto's v-pass, FedRep's head
+    phase), a server step that assumes buffers starting at zero (FedNova's ‖a_i‖₁), or a client that sends one
+    gradient (FedSGD, IFCA option=gradient: a kept buffer would send ρ·buf + g). pFedMe and FedSplit's exact prox
+    refuse train.momentum already (:func:`_own_local_update`)."""
+    from flockfl.algorithms import APFL, Ditto, FedNova, FedRep, FedSGD, IFCA, PerFedAvg
+
+    t = cfg.train
+    if t.optimizer_state != "persist":
+        return
+    fix = "set train.optimizer_state=reset"
+    own = {APFL: "apfl's (v, α) loop keeps its own momentum buffers (one per model), which it resets every round",
+           PerFedAvg: "perfedavg's meta-steps run in its own loop, whose one momentum buffer resets every round",
+           Ditto: "ditto's personal v-pass is a second optimiser beside the w-pass's, which flockfl resets every round",
+           FedRep: "fedrep's head and body phases each start a fresh optimiser every round (the official code's)",
+           FedNova: "fednova normalises by the ‖a_i‖₁ of local momentum buffers that start at zero every round "
+                    "(algorithm.momentum)"}
+    for base, why in own.items():
+        if issubclass(cls, base):
+            raise ValueError(f"train.optimizer_state=persist: {why}; {fix}")
+    if issubclass(cls, FedSGD) or (issubclass(cls, IFCA) and cfg.algorithm.hyper().get("option") == "gradient"):
+        raise ValueError(f"train.optimizer_state=persist: {cfg.algorithm.name} sends one full-batch gradient a round, "
+                         f"and a kept momentum buffer would send ρ·buf + g instead; {fix}")
+    if not t.momentum:
+        raise ValueError("train.optimizer_state=persist keeps nothing: the optimiser has no state (momentum 0, sgd); "
+                         "set train.momentum or leave optimizer_state=reset")
 
 
 def read_mapping(path: Path, what: str) -> dict[str, Any]:

@@ -52,8 +52,9 @@ client trains again (the thesis's CFL ≈ FedAvg; the spec says not to "fix" it)
 (not compared, not in Δθ) take the participants' mean as in FedAvg. A split places every member,
 trained or not, by its Δθ; the thesis code's 0-based ``iteration > 20`` is ``warmup_rounds=21``.
 
-Not modelled: the notebook's persistent client optimisers (momentum across rounds), its model
-cache at splits with best-cached-model evaluation.
+The notebook's persistent client optimisers (momentum across rounds) are
+``train.optimizer_state=persist`` with ``train.momentum``. Not modelled: its model cache at splits
+with best-cached-model evaluation.
 """
 
 from __future__ import annotations

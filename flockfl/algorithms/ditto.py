@@ -65,7 +65,7 @@ def personal_work(spec: LocalSpec) -> LocalSpec:
     h = spec.meta[HYPER]
     out = dataclasses.replace(spec, init=spec.meta[ROWS_IN], prox_mu=float(h["lam"]), prox_anchor=spec.meta[ANCHOR],
                               stream=h["stream"], meta=None, correction=None, masks=None, snapshot_steps=None,
-                              solver=None, solver_vectorized=None, personal_pass=None)
+                              solver=None, solver_vectorized=None, personal_pass=None, momentum_init=None)
     if h["epochs"] is not None:  # sequential with personal_epochs: every client that many epochs
         out = dataclasses.replace(out, epochs=int(h["epochs"]), steps=None, client_epochs=None, client_steps=None)
     return out

@@ -60,7 +60,11 @@ class LocalSpec:
     prox_mu: float | dict[str, float] = 0.0  # a dict gives each parameter its own μ (FedAC: μ + λ on the embedding)
     prox_anchor: Optional[dict[str, torch.Tensor]] = None  # stacked; default: the initial params
     correction: Optional[dict[str, torch.Tensor]] = None  # stacked per client
-    momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round
+    momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round unless ``momentum_init``
+    # stacked per client: the momentum buffer each client's pass starts from (``train.optimizer_state=persist``: the
+    # buffer its last round left, from the server state; None = zeros, a fresh optimiser). When it is set, both
+    # trainers return each client's final buffer in ``TrainResult.meta['momentum_buffer']`` (trained entries only)
+    momentum_init: Optional[dict[str, torch.Tensor]] = None
     # where ``correction`` enters under momentum: False = into g before the buffer (accumulated);
     # True = added to the step after it (w ← w − η(buf + corr)), never accumulated (SCAFFOLD as
     # NIID-Bench's code runs it: torch's SGD step, then w ← w − η(c − c_i)). Same bits without momentum.
@@ -198,7 +202,8 @@ def restrict(spec: LocalSpec, positions) -> LocalSpec:
 
     return dataclasses.replace(
         spec, clients=spec.clients[positions], init=rows(spec.init), prox_anchor=rows(spec.prox_anchor),
-        correction=rows(spec.correction), client_epochs=per_client(spec.client_epochs),
-        client_steps=per_client(spec.client_steps), meta={k: per_client(v) for k, v in (spec.meta or {}).items()},
+        correction=rows(spec.correction), momentum_init=rows(spec.momentum_init),
+        client_epochs=per_client(spec.client_epochs), client_steps=per_client(spec.client_steps),
+        meta={k: per_client(v) for k, v in (spec.meta or {}).items()},
         masks=rows(spec.masks), snapshot_steps=per_client(spec.snapshot_steps), order=listed(spec.order),
     )

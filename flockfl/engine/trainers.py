@@ -135,7 +135,7 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
     batches = cohort_schedule(spec, data.sizes, seed, round)
     frozen = stat_names(model)
     snap_at = _snapshot_at(spec, np.array([len(b) for b in batches]))
-    finals, losses, snaps = [], [], []
+    finals, losses, snaps, buffers = [], [], [], []
     for ci, cid in enumerate(spec.clients):
         net = copy.deepcopy(model)
         net.train()
@@ -145,6 +145,8 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
         x_c, y_c = data.client(int(cid))
         anchor = {n: (spec.prox_anchor or spec.init)[n][ci] for n, _ in net.named_parameters()}
         buf = {n: torch.zeros_like(p) for n, p in net.named_parameters()}
+        if spec.momentum_init is not None:  # train.optimizer_state=persist: where the client's last round left it
+            buf.update({n: spec.momentum_init[n][ci].to(buf[n]).clone() for n in spec.momentum_init})
         total = 0.0
         snap = {n: p.detach().clone() for n, p in net.named_parameters()} if snap_at is not None and snap_at[ci] == 0 else None
         rates = spec.step_rates(round, len(batches[ci]))
@@ -176,12 +178,16 @@ def train_reference(model: nn.Module, spec: LocalSpec, data: Split, task: str, s
             if snap_at is not None and s + 1 == snap_at[ci]:
                 snap = {n: p.detach().clone() for n, p in net.named_parameters()}
         finals.append({n: p.detach().clone() for n, p in net.named_parameters()})
+        if spec.momentum_init is not None:
+            buffers.append({n: buf[n] for n in spec.momentum_init})
         if snap_at is not None:
             snaps.append(snap if snap is not None else finals[-1])
         losses.append(total / max(len(batches[ci]), 1))
     params = stack(finals)
     calibrate_bn(model, params, data, spec.clients)
     meta = {"snapshot": stack(snaps)} if snap_at is not None and snaps else {}
+    if spec.momentum_init is not None:
+        meta["momentum_buffer"] = stack(buffers) if buffers else {k: v.clone() for k, v in spec.momentum_init.items()}
     return TrainResult(
         np.asarray(spec.clients), params, data.sizes[spec.clients],
         np.array([len(b) for b in batches]), np.array(losses), meta,
@@ -248,6 +254,10 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         calibrate_bn(model, params, data, spec.clients)
         if snap is not None:
             meta["snapshot"] = snap
+    if spec.momentum_init is not None:  # persist: each client's final buffer (its start, where it takes no momentum)
+        buf = extras.buf if layers is None and extras.buf is not None else None
+        meta["momentum_buffer"] = {k: buf[k] if buf is not None else spec.momentum_init[k].to(device).clone()
+                                   for k in spec.momentum_init}
     return TrainResult(
         np.asarray(spec.clients), params, data.sizes[spec.clients], steps,
         (total.cpu().numpy() / np.maximum(steps, 1)), meta,
@@ -285,6 +295,8 @@ class _GradientTerms:
         self.anchor = {k: v.to(device) for k, v in (spec.prox_anchor or spec.init).items()} if spec.has_prox else None
         self.corr = {k: v.to(device) for k, v in spec.correction.items()} if spec.correction is not None else None
         self.buf = {k: torch.zeros_like(v) for k, v in params.items()} if spec.momentum else None
+        if self.buf is not None and spec.momentum_init is not None:  # persist: each client's buffer from its last round
+            self.buf.update({k: v.to(device, params[k].dtype).clone() for k, v in spec.momentum_init.items()})
         self.after = self.buf is not None and spec.correction_after_momentum  # where the correction enters
 
     def apply(self, params, g, active):
