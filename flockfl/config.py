@@ -314,7 +314,7 @@ class SystemConfig(_Section):
 
 
 class ShiftConfig(_Section):
-    """Client-level distribution shift (FlexCFL §3, ``flockfl/data/shift.py``): applied each round
+    """Client-level distribution shift (FlexCFL §3, ``flockfl/stages/shift.py``): applied each round
     after client selection and before any clustering step; the union of the clients' data never
     changes. Deterministic given (seed, round), and part of the state."""
 
@@ -333,7 +333,7 @@ class ShiftConfig(_Section):
 
 
 class CurriculumConfig(_Section):
-    """Data and client curricula (thesis Chapter 2, ``flockfl/curriculum/stage.py``), for any
+    """Data and client curricula (thesis Chapter 2, ``flockfl/stages/curriculum.py``), for any
     algorithm. Off by default (``ordering=vanilla`` and ``clients=false``)."""
 
     ordering: Literal["vanilla", "curr", "anti", "random"] = Field(
@@ -359,7 +359,7 @@ class CurriculumConfig(_Section):
 
 
 class PruningConfig(_Section):
-    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/pruning/stage.py``), for any algorithm.
+    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/stages/pruning.py``), for any algorithm.
     Off by default (``method=none``)."""
 
     method: Literal["none", "unstructured", "structured", "hybrid"] = Field(

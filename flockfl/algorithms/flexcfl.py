@@ -75,7 +75,7 @@ Decisions on the spec's §8 (each explicit):
    before every client is warm (round ⌈N/K⌉ with round-robin selection): its "max accuracy over
    rounds" is taken over the rounds with ``coverage == 1`` (``benchmarks/flexcfl_tables.py``).
    For the thesis's fine-tuned convention, a still-cold client starts from the auxiliary model.
-7. Incremental shift: ``shift.mode`` (flockfl/data/shift.py). The pre-trained clients built their
+7. Incremental shift: ``shift.mode`` (flockfl/stages/shift.py). The pre-trained clients built their
    reference counts on all their data, so the first release (1/4) fires the code detector for
    every warm client at round 0 and they redo the cold start on their released data, as in the code.
 8. (IFCA/FeSEM) see ``fesem.py``: simple average by default, ``legacy_first_update_only``.
@@ -84,7 +84,7 @@ Decisions on the spec's §8 (each explicit):
 15. sklearn: ``KMeans(init="k-means++", n_init=10, max_iter=kmeans_max_iter)``, random_state
     drawn from (seed, "flexcfl/kmeans"); the Gram-matrix EDC needs no randomized SVD.
 16. Keras L2 kernel regulariser and Glorot init: not modelled (PyTorch default init, plain SGD).
-17. Swap-part early return: ``shift.mode=code_faithful`` (flockfl/data/shift.py).
+17. Swap-part early return: ``shift.mode=code_faithful`` (flockfl/stages/shift.py).
 
 Code-only extras (temperature reassignment and aggregation, periodic re-clustering) are not
 implemented (the spec: leave them disabled). The label-count detector needs class labels: with a

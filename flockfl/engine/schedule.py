@@ -87,13 +87,13 @@ class LocalSpec:
     # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a
     # round's training, another name for extra passes (evaluation fine-tuning, newcomers)
     stream: str = "shuffle"
-    # pruning (flockfl/pruning/stage.py): stacked per-client 0/1 masks of the masked parameters;
+    # pruning (flockfl/stages/pruning.py): stacked per-client 0/1 masks of the masked parameters;
     # a masked weight's update is multiplied by its mask, so a pruned weight (0 in the init) stays 0
     masks: Optional[dict[str, torch.Tensor]] = None
     # per-client step count after which both trainers record the parameters
     # (``TrainResult.meta['snapshot']``: Sub-FedAvg's first-epoch mask)
     snapshot_steps: Optional[np.ndarray] = None
-    # a data curriculum (flockfl/curriculum/stage.py): per client, its local sample indices in
+    # a data curriculum (flockfl/stages/curriculum.py): per client, its local sample indices in
     # curriculum order (easiest first for ``curr``); ``pacing`` says how many of them step t may use
     order: Optional[list] = None
     pacing: Optional[Pacing] = None
