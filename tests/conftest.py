@@ -17,6 +17,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 _HOME = tempfile.mkdtemp(prefix="flockfl-test-prefect-")
 os.environ["PREFECT_HOME"] = _HOME
+# every pytest process (each worker of `pytest -n`) leases cores from a folder of its own: the
+# runs of two workers, or of the suite and a user's run beside it, share the cores (the same
+# bits) instead of waiting for each other and printing a waiting line a test would read
+os.environ["FLOCKFL_CORES_DIR"] = os.path.join(_HOME, "cores")
+# partitions the in-process tests build, one folder per pytest process
+PARTS = os.path.join(_HOME, "parts")
 
 from flows.env import configure_environment  # noqa: E402
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import PARTS
 
 from flockfl.algorithms.ifca import IFCA
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
@@ -65,14 +66,14 @@ def test_fedavg_one_client_is_centralised_sgd(tmp_path):
 def test_fedavg_decreases_least_squares_loss_monotonically():
     cfg = linreg_cfg(dataset={"clusters": 1}, algorithm={"name": "fedavg"},
                      train={"rounds": 15, "clients_per_round": 20, "lr": 0.02, "local_steps": 2})
-    losses = [row["loss"] for row in run_rounds(prepare(cfg, "/tmp/flockfl-test-parts")).history]
+    losses = [row["loss"] for row in run_rounds(prepare(cfg, PARTS)).history]
     assert all(b < a for a, b in zip(losses, losses[1:]))
     assert losses[-1] < 0.2 * losses[0]
 
 
 def _best_restart(cfg, restarts=3):
     """IFCA with random restarts, keeping the restart with the lowest final training loss."""
-    prep = prepare(cfg, "/tmp/flockfl-test-parts")
+    prep = prepare(cfg, PARTS)
     best = None
     for attempt in range(restarts):
         state = prep.algorithm.init_state(prep.ctx)
