@@ -20,7 +20,7 @@ def main() -> int:
     apiserver.start()
     from flockfl.experiments import load_experiment
     from flows.experiment import run_experiment
-    from tasks.tracking import resolve_tracking_uri
+    from flows.tracking.store import resolve_tracking_uri
 
     uri = resolve_tracking_uri(None, None)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")

@@ -31,7 +31,9 @@ from flockfl.experiments import validate
 from flockfl.state import ServerState
 from flows.dask import DaskTraining, dask_cluster, dask_stage, shared_prefect_api
 from flows.rundir import read_run_file, write_run_file
-from tasks.tracking import BackgroundTracker, Tracker, prefetch
+from flows.tracking.background import BackgroundTracker
+from flows.tracking.store import prefetch
+from flows.tracking.tracker import Tracker
 
 class Progress:
     """A run's progress: a rich bar on stderr when stderr is a terminal, else one plain line per
@@ -531,7 +533,7 @@ def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str]
     import json
 
     from flockfl.data.store import build_partition
-    from tasks.tracking import resolve_tracking_uri
+    from flows.tracking.store import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri, cfg.tracking.uri)
     if cfg.tracking.enabled:

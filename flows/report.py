@@ -65,7 +65,7 @@ def resolve_target(target: str, cli_uri: Optional[str]) -> tuple[str, str]:
     import json
 
     from flockfl.errors import UserError
-    from tasks.tracking import resolve_tracking_uri
+    from flows.tracking.store import resolve_tracking_uri
 
     path = Path(target)
     if path.is_dir():
@@ -165,9 +165,9 @@ def _auto_choices(client, run, tmp: Path, listed: Optional[set[str]]) -> tuple[l
 
 def load_run(client, run, tmp: Path) -> RunSummary:
     """One run under flockfl's names, however it was logged: MLflow's names (``eval/...``, params
-    for the numbers logged once) are read back by ``tasks.tracking``, and runs logged before them
+    for the numbers logged once) are read back by ``flows.tracking.names``, and runs logged before them
     read as they are."""
-    from tasks.tracking import metric_name, summary_metrics
+    from flows.tracking.names import metric_name, summary_metrics
 
     hist = {}
     for key in HISTORY_KEYS:
@@ -278,7 +278,7 @@ def cmd_report(args) -> int:
             return 0
         where = "report.html" if args.html else "report.md"
         print(f"logged to MLflow run {name} ({run_id}): {root.info.artifact_uri.rstrip('/')}/report")
-        from tasks.tracking import ui_url
+        from flows.tracking.view import ui_url
 
         print(f"browse it: flockfl ui --tracking-uri {uri}, then open "
               f"{ui_url('http://127.0.0.1:5000', root.info.experiment_id, run_id, f'report/{where}')}")

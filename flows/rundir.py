@@ -34,7 +34,7 @@ def find_run_dir(run: str, uri: Optional[str]) -> Path:
     ``flockfl.run_dir`` tag names one on this machine."""
     if (Path(run) / RUN_FILE).exists():
         return Path(run)
-    from tasks.tracking import resolve_tracking_uri
+    from flows.tracking.store import resolve_tracking_uri
 
     if not all(c in "0123456789abcdef" for c in run.lower()) or len(run) < 16:
         raise UserError(f"{run!r} is neither a run directory (with run.json) nor an MLflow run id")

@@ -289,7 +289,7 @@ def _log_to_ui() -> None:
 
 
 def cmd_schedule(args) -> int:
-    _log_to_ui()  # before Prefect is imported (tasks.tracking imports it)
+    _log_to_ui()  # before Prefect is imported
     if args.list and args.delete:
         raise UserError("--list and --delete go alone; use one of them")
     if args.list or args.delete:
@@ -302,7 +302,7 @@ def cmd_schedule(args) -> int:
                           "(or --list / --delete NAME)")
 
     from flockfl.experiments import load_experiment
-    from tasks.tracking import resolve_tracking_uri
+    from flows.tracking.store import resolve_tracking_uri
 
     # everything the run needs, resolved here: it runs later, in another process
     cfg = load_experiment(args.experiment, args.overrides, args.params)

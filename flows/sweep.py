@@ -168,7 +168,8 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     from flows.experiment import execute, settle
     from flows.rundir import read_run_file
     from flockfl.state import list_checkpoints
-    from tasks.tracking import Tracker, resolve_tracking_uri
+    from flows.tracking.store import resolve_tracking_uri
+    from flows.tracking.tracker import Tracker
 
     t0 = time.perf_counter()
     base = plan.base

@@ -2,7 +2,7 @@
 
 The link it prints (and opens, where there is a display) shows the experiment's runs in
 flockfl's results view: a runs table whose columns are accuracy, ARI, the number of clusters
-and the run's duration (``tasks.tracking.save_results_view``; MLflow's own default shows no
+and the run's duration (``flows.tracking.view.save_results_view``; MLflow's own default shows no
 metric). The experiment is ``--experiment`` (a name or an id), else the one with the latest
 run. The server runs in a process group of its own under a guard (``flows.server.start_group``):
 Ctrl-C, SIGTERM or even SIGKILL of flockfl stops it and every process it started. This module
@@ -77,7 +77,8 @@ def cmd_ui(args) -> int:
     import subprocess
 
     from flows.server import check_port, on_sigterm, start_group, stop_group, wait_until_up
-    from tasks.tracking import resolve_tracking_uri, ui_url
+    from flows.tracking.store import resolve_tracking_uri
+    from flows.tracking.view import ui_url
 
     port = args.port
     check_port(port, "an MLflow UI")
@@ -117,9 +118,10 @@ def cmd_ui(args) -> int:
 def _results_link(uri: str, base: str, wanted: Optional[str]) -> tuple[str, str]:
     """(link, what it shows): the experiment's runs in flockfl's results view, or the
     experiment list when the store has no run yet."""
-    from tasks.tracking import _sqlite_file, open_store, save_results_view, ui_url
+    from flows.tracking.store import open_store, sqlite_file
+    from flows.tracking.view import save_results_view, ui_url
 
-    db = _sqlite_file(uri)
+    db = sqlite_file(uri)
     if db is not None and not db.exists():
         if wanted:
             raise UserError(f"--experiment {wanted}: the store {db} does not exist yet (no run was logged to it)")

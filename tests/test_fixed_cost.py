@@ -111,7 +111,7 @@ def test_a_kill_during_the_export_leaves_a_run_that_resume_finishes_without_dupl
 def test_background_calls_run_in_order_and_a_failure_stops_finished(tmp_path):
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import BackgroundTracker, TrackingSkipped
+    from flows.tracking.background import BackgroundTracker, TrackingSkipped
 
     uri_ = f"sqlite:///{tmp_path}/mlflow.db"
     opened = []
@@ -136,7 +136,7 @@ def test_background_calls_run_in_order_and_a_failure_stops_finished(tmp_path):
 
 
 def test_a_tracker_whose_store_cannot_open_fails_where_the_run_asks(tmp_path):
-    from tasks.tracking import BackgroundTracker
+    from flows.tracking.background import BackgroundTracker
 
     (tmp_path / "file").write_text("")
     t = BackgroundTracker(f"sqlite:///{tmp_path}/file/mlflow.db", "bg", "a")  # a folder that is a file
@@ -149,7 +149,7 @@ def test_a_tracker_whose_store_cannot_open_fails_where_the_run_asks(tmp_path):
 
 
 def test_prefetch_opens_an_existing_store_and_never_creates_one(tmp_path):
-    from tasks.tracking import open_store, prefetch
+    from flows.tracking.store import open_store, prefetch
 
     new = tmp_path / "new" / "mlflow.db"
     prefetch(f"sqlite:///{new}").join(60)
@@ -164,7 +164,7 @@ def test_the_requirements_check_is_skipped_only_inside_the_export():
     import mlflow.pyfunc
     import mlflow.utils.environment
 
-    from tasks.tracking import _own_requirements
+    from flows.tracking.export import _own_requirements
 
     before = (mlflow.utils.environment.warn_dependency_requirement_mismatches,
               mlflow.pyfunc.warn_dependency_requirement_mismatches)
@@ -185,7 +185,7 @@ def test_both_model_formats_load_back_through_the_run_and_the_registry(tmp_path,
     import mlflow.pytorch
 
     from models import build_model
-    from tasks.tracking import Tracker
+    from flows.tracking.tracker import Tracker
 
     shape = (1, 8, 8) if model == "mlp" else (1, 28, 28)
     torch.manual_seed(0)

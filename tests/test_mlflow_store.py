@@ -76,7 +76,8 @@ def test_every_experiment_flockfl_opens_is_a_training_experiment(tmp_path):
     and one reused through a resumed run (``run_id`` given): each ends up tagged."""
     from mlflow.tracking import MlflowClient
 
-    from tasks.tracking import Tracker, ensure_experiment
+    from flows.tracking.store import ensure_experiment
+    from flows.tracking.tracker import Tracker
 
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     fresh = Tracker(uri, "fresh", "a")

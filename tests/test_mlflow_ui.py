@@ -24,7 +24,7 @@ from conftest import assert_not_blank, browse, flock_env, free_port, last_json, 
 
 
 def test_metric_names_put_the_protocols_under_eval_and_read_back():
-    from tasks.tracking import metric_name, row_key
+    from flows.tracking.names import metric_name, row_key
 
     cases = {"accuracy": "accuracy", "ari": "ari", "num_clusters": "num_clusters", "loss": "loss",
              "cluster/3/accuracy": "cluster/3/accuracy", "accuracy_p10": "accuracy_p10",
@@ -39,7 +39,7 @@ def test_metric_names_put_the_protocols_under_eval_and_read_back():
 
 
 def test_summary_metrics_reads_old_and_new_runs_alike():
-    from tasks.tracking import summary_metrics
+    from flows.tracking.names import summary_metrics
 
     old = {"accuracy": 0.5, "accuracy__proportional__samples": 0.5, "accuracy__proportional__samples__final": 0.5,
            "partition_emd": 0.3, "pre_federation_seconds": 1.5}
@@ -57,7 +57,7 @@ def _git(repo: Path, *args: str) -> str:
 
 
 def test_source_tags_name_the_commit_and_a_dirty_tree(tmp_path):
-    from tasks import tracking
+    from flows.tracking import source as tracking
 
     repo = tmp_path / "proj"
     (repo / "sub").mkdir(parents=True)
@@ -91,7 +91,7 @@ def test_source_tags_name_the_commit_and_a_dirty_tree(tmp_path):
 def test_results_view_is_the_runs_table_state_mlflow_reads():
     import json
 
-    from tasks.tracking import RESULTS_VIEW, results_view_state, ui_url
+    from flows.tracking.view import RESULTS_VIEW, results_view_state, ui_url
 
     state = results_view_state({"accuracy", "ari", "num_clusters", "accuracy_finetuned"})
     assert state["selectedColumns"] == ["metrics.`accuracy`", "metrics.`ari`", "metrics.`num_clusters`",
@@ -129,7 +129,7 @@ def test_a_real_run_logs_headline_series_prefixes_params_and_its_commit(store):
     from mlflow.tracking import MlflowClient
 
     from flows.report import load_run
-    from tasks.tracking import summary_metrics
+    from flows.tracking.names import summary_metrics
 
     s = store["summary"]
     client = MlflowClient(store["uri"])

@@ -123,7 +123,7 @@ def study(tmp_path_factory):
 
     from flockfl.experiments import validate
     from flows.experiment import run_experiment
-    from tasks.tracking import Tracker
+    from flows.tracking.tracker import Tracker
 
     root = tmp_path_factory.mktemp("report")
     (root / "params.yaml").write_text((Path(__file__).resolve().parents[1] / "params.yaml").read_text())
@@ -241,7 +241,7 @@ def test_unknown_target_is_one_line(study, capsys, target, message):
 @pytest.mark.slow
 def test_parent_without_children_is_one_line(study, capsys):
     from flows.cli import main
-    from tasks.tracking import Tracker
+    from flows.tracking.tracker import Tracker
 
     empty = Tracker(study["uri"], EXPERIMENT, "empty-parent")
     empty.finish()
@@ -264,7 +264,7 @@ def _look(url: str, name: str, tmp: Path) -> tuple[Path, str]:
 @pytest.mark.slow
 @needs_chromium
 def test_mlflow_ui_shows_the_run_and_its_report(study, parent_report, tmp_path):
-    from tasks.tracking import ui_url
+    from flows.tracking.view import ui_url
 
     res, _ = parent_report
     assert res.returncode == 0, res.stderr

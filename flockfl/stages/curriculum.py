@@ -284,7 +284,7 @@ def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clien
     return loss
 
 
-# readers of model URIs by prefix ("models:/", "runs:/"): the tracking layer (tasks/tracking.py)
+# readers of model URIs by prefix ("models:/", "runs:/"): the tasks layer (tasks/__init__.py)
 # registers MLflow's, so the library itself never imports MLflow
 URI_LOADERS: dict[str, Callable[[str], dict[str, torch.Tensor]]] = {}
 
@@ -300,8 +300,8 @@ def load_expert(source: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
                           "(models:/NAME/VERSION) or a .pt file, or use scoring=s_G")
     scheme = next((s for s in URI_LOADERS if source.startswith(s)), None)
     if source.startswith(("models:/", "runs:/")) and scheme is None:
-        raise ConfigError(f"curriculum.expert: {source!r} is an MLflow model URI, which flockfl run reads (tasks.tracking "
-                          "registers the loader); run through flockfl, or give a .pt file")
+        raise ConfigError(f"curriculum.expert: {source!r} is an MLflow model URI, which flockfl run reads "
+                          "(tasks/__init__.py registers the loader); run through flockfl, or give a .pt file")
     try:
         if scheme is not None:
             params = URI_LOADERS[scheme](source)
