@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flockfl: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("flockfl: interrupted; continue with flockfl resume RUN_DIR", file=sys.stderr)
+        hint = ("the same command again continues it (finished runs are kept, the cut one resumes)"
+                if args.command in ("sweep", "repro") else "continue with flockfl resume RUN_DIR")
+        print(f"flockfl: interrupted; {hint}", file=sys.stderr)
         return 130
     except BrokenPipeError:
         raise  # entry() leaves quietly

@@ -166,6 +166,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     runs finishes (``flockfl repro``'s time estimate)."""
     from flockfl.data.store import build_partition
     from flows.experiment import execute, settle
+    from flows.interrupt import interrupted, sigint_seen, watch
     from flows.rundir import read_run_file
     from flockfl.state import list_checkpoints
     from flows.tracking.store import resolve_tracking_uri
@@ -253,6 +254,8 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
             child.summary["sweep_wall_s"] = time.perf_counter() - t  # the run as the sweep saw it, set-up included
             return child
         except Exception as err:
+            if interrupted(err):  # Ctrl-C: the sweep stops here, the run resumes next time (flows/interrupt.py)
+                raise KeyboardInterrupt(f"sweep interrupted during {child.key}") from err
             fail(child, err)
             return None
 
@@ -278,6 +281,8 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     if parallel > 1 and not os.environ.get("FLOCKFL_MAX_THREADS"):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         cap = os.environ["FLOCKFL_MAX_THREADS"] = str(max(1, cores // parallel))  # N runs share the cores
+    guard = watch()  # a Ctrl-C is noted: it stops the sweep rather than failing the run it cut
+    guard.__enter__()
     try:
         if parallel > 1 and len(todo) > 1:
             with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="flockfl-sweep") as pool:
@@ -287,6 +292,8 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
             # later on finds it finished
             closing: Optional[tuple[threading.Thread, Optional[Child]]] = None
             for child in todo + [None]:
+                if child and sigint_seen():  # a Ctrl-C that the last run absorbed: start nothing new
+                    raise KeyboardInterrupt(f"sweep interrupted before {child.key}")
                 done = run_child(child) if child else None
                 if closing:
                     t = time.perf_counter()
@@ -304,6 +311,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
             parent.finish("KILLED")
         raise
     finally:
+        guard.__exit__(None, None, None)
         if cap:
             os.environ.pop("FLOCKFL_MAX_THREADS", None)
     result = SweepResult(plan, sweep_dir, parent.run_id if parent else None, uri, time.perf_counter() - t0, continued)

@@ -1,0 +1,66 @@
+"""Ctrl-C stops a sweep; it is not one more failed run.
+
+A SIGINT during a sweep's run reaches the run's flow as ``KeyboardInterrupt``. Prefect's engine
+then reports the crash to the API, which may already be going down, and what comes out of
+``execute`` is that report's error (``httpx.ConnectError``), not the interrupt. The sweep took
+it for one run failing, recorded it, and started the next run, which failed at once on the API
+that was gone, and so on: a Ctrl-C during ``flockfl repro`` marked every run left as failed.
+
+:func:`watch` notes a SIGINT while a sweep runs (and leaves the usual ``KeyboardInterrupt``
+to happen); :func:`interrupted` says whether a run's error comes of one, from that note or from a
+``KeyboardInterrupt`` / ``SystemExit`` anywhere in the error's chain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+_SEEN = threading.Event()
+
+
+@contextlib.contextmanager
+def watch():
+    """Note SIGINTs while the block runs (in the main thread; elsewhere this watches nothing)."""
+    _SEEN.clear()
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:  # started with SIGINT ignored (a background job of a script): so be it
+        yield
+        return
+
+    def noted(signum, frame):
+        _SEEN.set()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, noted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def sigint_seen() -> bool:
+    """Whether a SIGINT came since the sweep's :func:`watch` began (a run may have absorbed it)."""
+    return _SEEN.is_set()
+
+
+def interrupted(err: BaseException) -> bool:
+    """Whether ``err`` comes of an interrupt: a SIGINT seen by :func:`watch`, or a
+    ``KeyboardInterrupt`` or ``SystemExit`` in its chain of causes and contexts."""
+    if _SEEN.is_set():
+        return True
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
