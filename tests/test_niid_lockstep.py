@@ -7,9 +7,16 @@ last partial batch kept, and
 
 - FedProx: ``(mu/2)·‖w − w_g‖²`` added to the loss (so μ(w − w_g) enters the gradient before
   the weight decay and the momentum buffer);
-- SCAFFOLD: after every optimiser step ``w ← w − lr·(c − c_i)`` (outside the momentum), then
-  ``c_i⁺ = c_i − c + (w_g − w)/(cnt·lr)``, ``c ← c + Σ_S (c_i⁺ − c_i)/N`` (the sum over the
-  cohort divided by all N parties) and the model mean weighted by n_i, as FedAvg's;
+- SCAFFOLD (``train_net_scaffold``, ``local_train_net_scaffold`` and the ``alg == 'scaffold'``
+  loop): after every optimiser step ``w ← w − lr·(c − c_i)`` (outside the momentum, l. 345-350),
+  then ``c_i⁺ = c_i − c + (w_g − w)/(cnt·lr)`` with cnt the steps actually taken (l. 352, 364),
+  ``c ← c + Σ_S (c_i⁺ − c_i)/N``: the unweighted sum over the cohort divided by all N parties
+  (``total_delta /= args.n_parties``, l. 673-690), and the model mean weighted by n_i, as
+  FedAvg's (``fed_avg_freqs``, l. 1025-1036). NIID-Bench starts c and every c_i at one fresh
+  network's weights (l. 992-997), not at 0: the offset cancels exactly when every client trains
+  every round (its ``--sample 1``, the table's 10 of 10), which
+  ``test_scaffold_niid_bench_c_init_cancels_at_full_participation`` checks; the 3-of-4 lockstep
+  below starts them at 0 (the SCAFFOLD paper's, flockfl's);
 - FedNova: τ_i steps of momentum SGD, ``a_i = (τ − ρ(1 − ρ^τ)/(1 − ρ))/(1 − ρ)``,
   ``d_i = (w_g − w_i)/a_i``, ``w ← w_g − (Σ p_i a_i)·Σ p_i d_i`` with p_i = n_i/Σ_S n_j;
 - FedAvg / FedProx: the mean of the client models weighted by n_i;
@@ -25,7 +32,8 @@ parameters must agree after every round to float rounding, for both of flockfl's
 flockfl runs the ``niid_bench`` setting as ``configs/repro/niid_bench_fmnist.yaml`` says: local
 momentum 0.9 and weight decay 1e-5 for every method; FedNova's momentum as its own
 ``algorithm.momentum`` (normalised); SCAFFOLD with ``weighting: samples`` (NIID-Bench's and
-Flower's model mean; the paper's is uniform, flockfl's default).
+Flower's model mean; the paper's is uniform, flockfl's default) and flockfl's control-variate
+step (the unweighted cohort sum over N: NIID-Bench's; Flower's baseline weights it by n_i).
 """
 
 from __future__ import annotations
@@ -125,21 +133,41 @@ def nb_accuracy(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((net(x).argmax(1) == y).float().mean())
 
 
+# SCAFFOLD's server step as NIID-Bench's experiments.py runs it; ``nb_run(scaffold=...)`` swaps one
+# rule so that test_the_lockstep_sees_each_rule can show the tolerance sees it:
+# - c_init: "zero" (the paper's, flockfl's) or "net" (NIID-Bench's: c and every c_i start at one fresh
+#   network's weights, init_nets + load_state_dict, l. 992-997);
+# - c_divisor: "N" (NIID-Bench's total_delta /= args.n_parties, l. 679-680; the paper's (|S|/N)·mean)
+#   or "S" (the cohort's plain mean);
+# - c_mean: "uniform" (NIID-Bench's) or "samples" (Flower's baselines/niid_bench: strategy.py:128
+#   aggregate() weights Δc_i by num_examples, server_scaffold.py:142-147 scales by |S|/N);
+# - K: "steps" (NIID-Bench's cnt, the steps taken; Flower's num_epochs·len(trainloader), the same) or
+#   "floor" (epochs·⌊n_i/B⌋, as if the last partial batch were dropped).
+SCAFFOLD_RULE = {"c_init": "zero", "c_divisor": "N", "c_mean": "uniform", "K": "steps"}
+
+
 def nb_run(alg: str, init: dict, data: dict, schedule: list[np.ndarray], hp: dict, seed: int, model_args: dict,
-           dtype: torch.dtype):
+           dtype: torch.dtype, scaffold: dict | None = None):
     """NIID-Bench's server loop over ``len(schedule)`` rounds (cohorts given); the global
-    state_dict after each round and the global test accuracy."""
+    state_dict after each round and the global test accuracy. ``scaffold`` overrides
+    :data:`SCAFFOLD_RULE`."""
+    rule = {**SCAFFOLD_RULE, **(scaffold or {})}
     n_parties = len(data["train"])
     global_net = SimpleCNNMNIST(**model_args).to(dtype)
     global_net.load_state_dict(init)
     zero = {k: torch.zeros_like(v) for k, v in global_net.state_dict().items()}
+    if rule["c_init"] == "net":  # c_globals, _, _ = init_nets(...); every c_net loads c_global's weights
+        with torch.random.fork_rng():
+            torch.manual_seed(seed + 1)
+            zero = {k: v.detach().clone() for k, v in SimpleCNNMNIST(**model_args).to(dtype).state_dict().items()}
+        assert max(float(v.abs().max()) for v in zero.values()) > 0.1
     c_global = copy.deepcopy(zero)
     c_nets = [copy.deepcopy(zero) for _ in range(n_parties)]
     sizes = [len(y) for _, y in data["train"]]
     out, accs = [], []
     for r, selected in enumerate(schedule):
         global_para = copy.deepcopy(global_net.state_dict())
-        nets, counts, total_delta = {}, {}, {k: torch.zeros_like(v) for k, v in zero.items()}
+        nets, counts, c_deltas = {}, {}, {}
         a_list, d_list = [], []
         for cid in sorted(int(c) for c in selected):  # NIID-Bench walks nets.items() in id order
             net = SimpleCNNMNIST(**model_args).to(dtype)
@@ -149,10 +177,11 @@ def nb_run(alg: str, init: dict, data: dict, schedule: list[np.ndarray], hp: dic
             if alg == "scaffold":
                 c_local = c_nets[cid]
                 cnt = nb_train(alg, net, global_net, batches, hp, c_global, c_local)
+                k_steps = cnt if rule["K"] == "steps" else hp["epochs"] * (len(y) // hp["batch"])
                 net_para = net.state_dict()
-                c_new = {k: c_local[k] - c_global[k] + (global_para[k] - net_para[k]) / (cnt * hp["lr"]) for k in net_para}
-                for k in total_delta:
-                    total_delta[k] += c_new[k] - c_local[k]
+                c_new = {k: c_local[k] - c_global[k] + (global_para[k] - net_para[k]) / (k_steps * hp["lr"])
+                         for k in net_para}
+                c_deltas[cid] = {k: c_new[k] - c_local[k] for k in c_new}
                 c_nets[cid] = c_new
             else:
                 cnt = nb_train(alg, net, global_net, batches, hp)
@@ -179,7 +208,13 @@ def nb_run(alg: str, init: dict, data: dict, schedule: list[np.ndarray], hp: dic
                 for k in para:
                     new[k] = para[k] * (sizes[c] / total) if i == 0 else new[k] + para[k] * (sizes[c] / total)
         if alg == "scaffold":
-            c_global = {k: c_global[k] + total_delta[k] / n_parties for k in c_global}
+            if rule["c_mean"] == "uniform":  # total_delta = Σ_S Δc_i, then /= args.n_parties
+                divisor = n_parties if rule["c_divisor"] == "N" else len(order)
+                total_delta = {k: sum(c_deltas[c][k] for c in sorted(order)) / divisor for k in c_global}
+            else:  # Flower: (|S|/N)·Σ_S (n_i/Σ_S n_j) Δc_i
+                total_delta = {k: (len(order) / n_parties) * sum(c_deltas[c][k] * sizes[c] / total for c in order)
+                               for k in c_global}
+            c_global = {k: c_global[k] + total_delta[k] for k in c_global}
         global_net.load_state_dict(new)
         out.append(copy.deepcopy(global_net.state_dict()))
         accs.append(nb_accuracy(global_net, *data["test"]))
@@ -293,8 +328,10 @@ class Lockstep(NamedTuple):
 
 
 def lockstep(kind: str, alg: str, engine: str, tmp: Path, hp: dict = HP, dtype: torch.dtype = torch.float64,
-             seed: int = 0, rounds: int = 3, clients: int = 4, per_round: int = 3, **algorithm) -> Lockstep:
-    """Both loops on the same tiny Dir(0.5) setting; ``algorithm`` overrides flockfl's keys only."""
+             seed: int = 0, rounds: int = 3, clients: int = 4, per_round: int = 3, scaffold: dict | None = None,
+             **algorithm) -> Lockstep:
+    """Both loops on the same tiny Dir(0.5) setting; ``algorithm`` overrides flockfl's keys only,
+    ``scaffold`` the reference's SCAFFOLD rules only (:data:`SCAFFOLD_RULE`)."""
     npz, arrays, model_args = tiny_slice(kind, tmp)
     cfg = flockfl_config(alg, engine, npz, hp, seed, clients, per_round, rounds)
     cfg["algorithm"].update(algorithm)
@@ -309,7 +346,7 @@ def lockstep(kind: str, alg: str, engine: str, tmp: Path, hp: dict = HP, dtype: 
     for cid, (x, y) in enumerate(data["train"]):  # the same samples, in the same local order
         fx, fy = prep.ctx.data.train.client(cid)
         assert torch.equal(fx, x) and torch.equal(fy, y)
-    ref, ref_accs = nb_run(alg, to_reference(init), data, cohorts, hp, seed, model_args, dtype)
+    ref, ref_accs = nb_run(alg, to_reference(init), data, cohorts, hp, seed, model_args, dtype, scaffold)
     mine = [to_reference(f) for f in after]
     return Lockstep([max_diff(f, r) for f, r in zip(mine, ref)], accs, ref_accs, np.sort(np.concatenate(part.test_idx)),
                     len(arrays["y_test"]), ref, init, mine)
@@ -346,13 +383,30 @@ def test_float32_as_flockfl_runs_agrees_to_rounding(alg, tmp_path):
         assert max(run.diffs) < TOL, f"{alg}/{engine}: {run.diffs}"
 
 
+def test_scaffold_niid_bench_c_init_cancels_at_full_participation(tmp_path):
+    """NIID-Bench starts c and every c_i at a fresh network's weights c₀ (experiments.py l. 992-997),
+    not 0. With every client in every round (its ``--sample 1``; the table's 10 of 10) round 1 has
+    c − c_i = 0 exactly and leaves c_i⁺ = (x − y_i)/(K·lr), c = mean_i c_i⁺: flockfl's zero start
+    gives the same models. With 3 of 4 the offset lingers in c and in the clients not yet drawn."""
+    for engine in ENGINES:
+        full = lockstep("digits", "scaffold", engine, tmp_path, per_round=4, scaffold={"c_init": "net"})
+        assert max(full.diffs) < TOL_64, f"{engine}: {full.diffs}"
+    partial = lockstep("digits", "scaffold", "reference", tmp_path, scaffold={"c_init": "net"})
+    assert max(partial.diffs) > 1e3 * TOL_64
+
+
 def test_the_lockstep_sees_each_rule(tmp_path):
     """The tolerance is far below what each rule changes: flockfl's SCAFFOLD with its default
-    uniform model mean (the paper's) ends far from NIID-Bench's size-weighted one, and in
+    uniform model mean (the paper's) ends far from NIID-Bench's size-weighted one; a reference
+    whose control-variate step divides by |S| instead of N, weights Δc_i by n_i (Flower's
+    baseline) or counts K without the last partial batches ends far from flockfl's; and in
     NIID-Bench's own loop FedProx's proximal term, FedNova's normalisation, SCAFFOLD's
     correction and the weight decay each move the final model by far more than the tolerance."""
     uniform = lockstep("digits", "scaffold", "reference", tmp_path, weighting="uniform")
     assert max(uniform.diffs) > 1e3 * TOL_64
+    for change in ({"c_divisor": "S"}, {"c_mean": "samples"}, {"K": "floor"}):
+        other = lockstep("digits", "scaffold", "reference", tmp_path, scaffold=change)
+        assert max(other.diffs) > 1e3 * TOL_64, change
     finals = {alg: lockstep("digits", alg, "reference", tmp_path).ref[-1] for alg in METHODS}
     for alg in ("fedprox", "scaffold", "fednova"):
         assert max_diff(finals[alg], finals["fedavg"]) > 1e3 * TOL_64, alg
