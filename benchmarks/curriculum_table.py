@@ -83,7 +83,7 @@ def config(args, alg: str, beta: float, order: str, seed: int) -> dict:
 def run_one(cfg_dict: dict, partitions: Path) -> dict:
     from flockfl.experiments import validate
     from flockfl.rounds import prepare, run_rounds
-    from flockfl.evaluation import summarise
+    from flockfl.eval_summary import summarise
 
     prep = prepare(validate(cfg_dict), partitions)
     t0 = time.perf_counter()

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
                     help="print every evaluated round's accuracy (a run cut short still shows how far it got)")
     args = ap.parse_args(argv)
 
-    from flockfl.evaluation import summarise
+    from flockfl.eval_summary import summarise
     from flockfl.rounds import prepare, run_rounds
     from flows import repro
 

@@ -379,7 +379,7 @@ class PruningConfig(_Section):
 
 
 class EvalConfig(_Section):
-    """How accuracy is measured and reported (the papers differ; ``flockfl/evaluation.py``).
+    """How accuracy is measured and reported (the papers differ; ``flockfl/eval_protocol.py``).
 
     ``test_set``: each client's test samples: ``proportional`` (a disjoint slice of the test
     set in its training class proportions) or ``label_union`` (every test sample of every

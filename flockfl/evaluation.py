@@ -1,28 +1,8 @@
-"""Per-client test metrics and their summaries, in one place: every algorithm, stage and the
-round driver measure clients with these functions.
-
-**Protocols** (config section ``eval``; the papers differ, so every run measures them all):
-
-- test set: ``proportional`` (the partition's own split: a disjoint slice of the test set in the
-  client's training class proportions) or ``label_union`` (every test sample of every label the
-  client holds in training: the PACFL, FLIS and Sub-FedAvg code, the thesis);
-- average over clients: weighted by test ``samples`` or unweighted over ``clients`` (those with
-  test samples);
-- report: which evaluated round the run's summary gives (:func:`summarise`): the ``final`` one,
-  the ``best``, the best at or after the first round by which every federating client has
-  trained (``best_after_all_seen``, FlexCFL), or the mean of the last ``last_k`` (``mean_last``).
-
-**Names.** The plain names (``accuracy``, ``accuracy_min``, ``accuracy_p10``, ``loss`` and their
-families ``accuracy_personal``, ``accuracy_global``, ``accuracy_finetuned``, ``accuracy_pruned``,
-``unseen_accuracy``, …) follow the configured test set and average. Every evaluated round also
-logs each convention: ``{name}__{test_set}__{average}`` for the means (``accuracy``, ``loss``)
-and ``{name}__{test_set}`` for the quantiles (``_min``, ``_p10``), e.g.
-``accuracy__label_union__clients`` and ``accuracy_min__label_union``. The last round adds
-``{name}__{test_set}__{average}__{report}`` for every mean accuracy and every report mode.
-Regression has no labels to hold: its only test set is ``proportional``; nor is ``label_union``
-measured with ``partition.test_split=local`` (PFLlib's per-client held-out samples: no shared
-test pool exists). :func:`summarise` puts the last row's ``{name}__{test_set}__{average}__{report}``
-values in its ``metrics`` too.
+"""Per-client test metrics, measured in one place: every algorithm, stage and the round driver
+measure clients with these functions, on both test sets of :mod:`flockfl.eval_protocol` (the
+protocols, conventions and metric names); the reports over rounds are in
+:mod:`flockfl.eval_summary`. Also here: a round's evaluation result with its cluster breakdown,
+and the training side's measurements on one split as it is.
 
 **Exact and fast.** A model is evaluated once on all the rows its clients need (clients that
 share a model in one pass, a per-client model on its own rows), and each client's sums are
@@ -32,110 +12,23 @@ proportional rows ride along in the same pass.
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from flockfl.clientstate import chunks, joined
+from flockfl.clientstate import chunks
 from flockfl.engine.evaluate import OwnOutputs, TestPool, class_sums, identity_pool, outputs, row_stats, segment_sums
 from flockfl.engine.functional import losses_under_models, segment_mean
 from flockfl.errors import ConfigError
+from flockfl.eval_protocol import ClientMetrics, Triple, family, label_union_applies, protocol
 
 if TYPE_CHECKING:
     from flockfl.context import RunContext
-    from flockfl.state import ServerState
-
-TEST_SETS = ("proportional", "label_union")
-AVERAGES = ("samples", "clients")
-REPORTS = ("final", "best", "best_after_all_seen", "mean_last")
 
 
-@dataclass(frozen=True)
-class Protocol:
-    """How the run's headline metrics are measured and reported (config section ``eval``)."""
-
-    test_set: str = "proportional"
-    average: str = "samples"
-    report: str = "final"
-    last_k: int = 10
-
-    @classmethod
-    def of(cls, cfg) -> "Protocol":
-        e = cfg.eval
-        return cls(e.test_set, e.average, e.report, int(e.last_k))
-
-    def asdict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def check_protocol(cfg, task: str) -> None:
-    """``label_union`` needs class labels: a one-line ConfigError for a regression task."""
-    if cfg.eval.test_set == "label_union" and task != "classification":
-        raise ConfigError(f"eval.test_set: 'label_union' needs class labels, and dataset {cfg.dataset.name!r} has float "
-                          "labels (a regression task); use eval.test_set=proportional")
-
-
-def protocol(ctx: RunContext) -> Protocol:
-    check_protocol(ctx.cfg, ctx.data.task)
-    return Protocol.of(ctx.cfg)
-
-
-# ---------------------------------------------------------------------- per-client metrics
-
-
-Triple = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-@dataclass
-class ClientMetrics:
-    """One family's per-client metrics (every listed client under the model the family gives it):
-    for each test set, (mean loss, accuracy, test samples) per client. ``label_union`` exists
-    for classification only."""
-
-    sets: dict[str, Triple]
-
-    def __getitem__(self, test_set: str) -> Triple:
-        return self.sets[test_set]
-
-    @staticmethod
-    def join(parts: Iterable[Union["ClientMetrics", Triple]]) -> "ClientMetrics":
-        """Chunks of clients, concatenated (a bare (loss, accuracy, count) triple is a
-        proportional-only family, as the functions before the protocols returned)."""
-        parts = [p if isinstance(p, ClientMetrics) else ClientMetrics({"proportional": tuple(p)}) for p in parts]
-        if not parts:
-            return ClientMetrics({"proportional": joined([])})
-        common = set.intersection(*(set(p.sets) for p in parts))
-        return ClientMetrics({ts: joined([p.sets[ts] for p in parts]) for ts in TEST_SETS if ts in common})
-
-
-def overlay(base: ClientMetrics, pos: np.ndarray, part: Optional[ClientMetrics]) -> ClientMetrics:
-    """``base`` with the clients at positions ``pos`` replaced by ``part``'s (in that order)."""
-    if part is None or len(pos) == 0:
-        return base
-    out = {}
-    for ts in base.sets:
-        if ts in part.sets:
-            arrays = [np.array(a, copy=True) for a in base.sets[ts]]
-            for a, b in zip(arrays, part.sets[ts]):
-                a[pos] = b
-            out[ts] = tuple(arrays)
-    return ClientMetrics(out)
-
-
-def label_union_applies(cfg) -> bool:
-    """Whether the ``label_union`` convention is measured: not with ``partition.test_split=local``
-    (PFLlib's setting), where each client's test set is its own held-out samples and the dataset's
-    test set is merged into the clients' data, so there is no shared pool to draw a label union
-    from (``eval.test_set=label_union`` is refused there; its pass cost 24 of 31 s a round); nor
-    with ``eval.conventions=configured`` unless it is the configured ``eval.test_set``."""
-    if getattr(cfg.partition, "test_split", "global") == "local":
-        return False
-    ev = getattr(cfg, "eval", None)
-    return ev is None or getattr(ev, "conventions", "all") == "all" or ev.test_set == "label_union"
+# ---------------------------------------------------------------------- measuring, both test sets
 
 
 def label_pool(ctx: RunContext) -> TestPool:
@@ -348,45 +241,7 @@ def measure_own(ctx: RunContext, params: dict[str, torch.Tensor], clients: np.nd
     return m.result()
 
 
-# ---------------------------------------------------------------------- summaries
-
-
-def summarise_clients(c_loss: np.ndarray, c_acc: np.ndarray, n: np.ndarray, task: str, suffix: str = "",
-                      average: str = "samples") -> dict[str, float]:
-    """Mean loss (and accuracy, its minimum and 10th percentile) over clients: weighted by test
-    ``samples``, or unweighted over the ``clients`` that have test samples."""
-    has = n > 0
-    w = n / max(n.sum(), 1) if average == "samples" else has / max(has.sum(), 1)
-    out = {f"loss{suffix}": float((c_loss * w).sum())}
-    if task == "classification":
-        out[f"accuracy{suffix}"] = float((c_acc * w).sum())
-        out[f"accuracy{suffix}_min"] = float(c_acc[has].min()) if has.any() else float("nan")
-        out[f"accuracy{suffix}_p10"] = float(np.percentile(c_acc[has], 10)) if has.any() else float("nan")
-    return out
-
-
-def variant(name: str, test_set: str, average: Optional[str] = None) -> str:
-    """The logged name of a metric under one convention (``accuracy__label_union__clients``;
-    a quantile has no average: ``accuracy_min__label_union``)."""
-    return f"{name}__{test_set}" if average is None else f"{name}__{test_set}__{average}"
-
-
-def family(cm: ClientMetrics, proto: Protocol, task: str, suffix: str = "", wrap: Callable[[str], str] = str,
-           keys: Optional[tuple[str, ...]] = None) -> dict[str, float]:
-    """A family's summaries: the plain names under ``proto`` and every convention's variant.
-    ``suffix`` goes inside the names (``accuracy_pruned_min``), ``wrap`` around them
-    (``unseen_accuracy_min_untuned``); ``keys`` keeps only those (suffixed) names."""
-    out: dict[str, float] = {}
-    for ts, (loss, acc, n) in cm.sets.items():
-        for avg in AVERAGES:
-            for k, v in summarise_clients(loss, acc, n, task, suffix, avg).items():
-                if keys is not None and k not in keys:
-                    continue
-                quantile = k.endswith(("_min", "_p10"))
-                out[variant(wrap(k), ts, None if quantile else avg)] = v
-                if ts == proto.test_set and avg == proto.average:
-                    out[wrap(k)] = v
-    return out
+# ---------------------------------------------------------------------- a round's evaluation result
 
 
 def client_results(ctx: RunContext, cm: ClientMetrics, assign: np.ndarray, breakdown: Callable[[Triple], dict]
@@ -509,103 +364,3 @@ def min_dist(models: dict[str, torch.Tensor], theta: np.ndarray) -> float:
     t = torch.as_tensor(theta, dtype=torch.float64)
     return float(torch.cdist(w, t).min(1).values.mean())
 
-
-# ---------------------------------------------------------------------- reports over rounds
-
-
-def note_trained(meta: dict, trained: np.ndarray, seen: np.ndarray, round_no: int) -> None:
-    """Track which federating clients have trained; ``meta['all_trained_round']`` becomes the
-    first round (1-based, as history rows count) by which every one of them has."""
-    if "all_trained_round" in meta or len(seen) == 0:
-        return
-    n = int(seen.max()) + 1
-    done = np.unpackbits(meta["trained"], count=n).astype(bool) if "trained" in meta else np.zeros(n, bool)
-    trained = np.asarray(trained, np.int64)
-    done[trained[trained < n]] = True
-    if done[seen].all():
-        meta.pop("trained", None)
-        meta["all_trained_round"] = int(round_no)
-    else:
-        meta["trained"] = np.packbits(done)
-
-
-def reported(rows: list[dict], key: str, mode: str, last_k: int, all_trained: Optional[int]) -> Optional[tuple[float, int]]:
-    """(value, round) of ``key`` under a report mode over the evaluated rows that have it
-    (``mean_last``: the mean of the last ``last_k`` and the last round); None if none qualifies."""
-    have = [(float(r[key]), int(r["round"])) for r in rows
-            if key in r and not (isinstance(r[key], float) and math.isnan(r[key]))]
-    if mode == "best_after_all_seen":
-        have = [h for h in have if all_trained is not None and h[1] >= all_trained]
-    if not have:
-        return None
-    if mode == "final":
-        return have[-1]
-    if mode == "mean_last":
-        tail = have[-last_k:]
-        return float(np.mean([v for v, _ in tail])), tail[-1][1]
-    best = max(v for v, _ in have)
-    return best, next(r for v, r in have if v == best)
-
-
-def report_modes(rows: list[dict], last_k: int, all_trained: Optional[int]) -> dict[str, float]:
-    """Every report mode of every mean accuracy variant in ``rows``
-    (``accuracy__label_union__clients__best``), for the last round's row."""
-    names = sorted({k for r in rows for k in r if "accuracy" in k and k.count("__") == 2})
-    out = {}
-    for k in names:
-        for mode in REPORTS:
-            got = reported(rows, k, mode, last_k, all_trained)
-            if got is not None:
-                out[f"{k}__{mode}"] = got[0]
-    return out
-
-
-def time_to_target(history: list[dict], target: Optional[float]) -> dict[str, Any]:
-    """The first evaluated round whose mean accuracy reaches ``target``, and its sim_time."""
-    if target is None:
-        return {}
-    hit = next((h for h in history if h.get("accuracy", -1.0) >= target), None)
-    return {"target_accuracy": target, "rounds_to_target": hit["round"] if hit else None,
-            "sim_time_to_target": hit["sim_time"] if hit else None}
-
-
-SUMMARY_KEYS = (
-    "accuracy", "accuracy_min", "accuracy_p10", "loss", "accuracy_personal", "accuracy_personal_min",
-    "accuracy_personal_p10", "accuracy_global", "accuracy_finetuned", "accuracy_finetuned_min", "accuracy_finetuned_p10",
-    "loss_finetuned", "unseen_accuracy", "unseen_accuracy_p10", "unseen_accuracy_untuned", "ari", "nmi", "num_clusters",
-    "min_dist", "sim_time", "accuracy_pruned", "accuracy_pruned_min", "accuracy_pruned_p10", "accuracy_pruned_finetuned",
-    "sparsity", "channel_sparsity", "comm_bytes", "comm_bytes_thesis")
-
-
-def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
-    """The run's metrics under its protocol (``state.meta['eval_protocol']``): every accuracy
-    family from the round its report mode picks, everything else from the last round; the
-    protocol itself (with the round ``accuracy`` comes from and when every client had trained),
-    every report mode of every convention of ``accuracy``, the median round time leaving out
-    the first round, and time to target."""
-    proto = Protocol(**state.meta.get("eval_protocol", {}))
-    rows = state.history
-    last = rows[-1] if rows else {}
-    all_trained = state.meta.get("all_trained_round")
-    metrics: dict[str, Any] = {}
-    for k in SUMMARY_KEYS:
-        if "accuracy" in k:
-            got = reported(rows, k, proto.report, proto.last_k, all_trained)
-            if got is not None:
-                metrics[k] = got[0]
-        elif k in last and not (isinstance(last[k], float) and math.isnan(last[k])):
-            metrics[k] = last[k]
-    # every convention's reported values (``accuracy__label_union__clients__best``): the last row's
-    metrics.update({k: float(v) for k, v in last.items() if k.count("__") == 3 and isinstance(v, (int, float))
-                    and not (isinstance(v, float) and math.isnan(v))})
-    headline = reported(rows, "accuracy", proto.report, proto.last_k, all_trained)
-    reports = {f"{ts}/{avg}": {mode: got[0] for mode in REPORTS
-                               if (got := reported(rows, variant("accuracy", ts, avg), mode, proto.last_k, all_trained))}
-               for ts in TEST_SETS for avg in AVERAGES}
-    times = [h["round_time_s"] for h in rows[1:]] or [h["round_time_s"] for h in rows]
-    return {"metrics": metrics,
-            "protocol": {**proto.asdict(), "accuracy_round": headline[1] if headline else None,
-                         "all_trained_round": all_trained},
-            "reports": {k: v for k, v in reports.items() if v},
-            "round_s_median": float(np.median(times)) if times else float("nan"),
-            **time_to_target(rows, target)}

@@ -25,8 +25,9 @@ from flockfl.engine.data import ClientData
 from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
 from flockfl.engine.trainers import stat_names
 from flockfl.errors import ConfigError
-from flockfl.evaluation import (ClientMetrics, Protocol, check_protocol, family, measure_own, measure_shared, note_trained,
-                                protocol, report_modes)
+from flockfl.eval_protocol import ClientMetrics, Protocol, check_protocol, family, protocol
+from flockfl.eval_summary import note_trained, report_modes
+from flockfl.evaluation import measure_own, measure_shared
 from flockfl.faults import maybe_crash
 from flockfl.stages import build_stages
 from flockfl.state import ServerState, on_device
@@ -60,9 +61,8 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
-    return assemble(cfg, model, data, truth, partition_path=path, partition_hash=part.content_hash,
-                    partition_cached=cached, threads=threads,
-                    info={"heterogeneity": dict(part.info.get("heterogeneity") or {})})
+    return assemble(cfg, model, data, truth, partition_path=path, partition_hash=part.content_hash, partition_cached=cached,
+                    threads=threads, info={"heterogeneity": dict(part.info.get("heterogeneity") or {})})
 
 
 def assemble(cfg: ExperimentConfig, model: torch.nn.Module, data: ClientData, truth: Optional[dict] = None, *,
@@ -370,7 +370,7 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
     round's stages logged (``state.meta['round_log']``: clients shifted, migrated, ...) join
     the row. The state's meta keeps the run's evaluation protocol and which clients have trained
     (for ``eval.report=best_after_all_seen``); the last round's row adds every report mode of
-    every accuracy convention (``flockfl.evaluation.report_modes``).
+    every accuracy convention (``flockfl.eval_summary.report_modes``).
     """
     last = state.history[-1] if state.history else {}
     sim_total = last.get("sim_time", 0.0) + work.sim

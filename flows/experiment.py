@@ -26,7 +26,7 @@ from flockfl import cores, rounds, training
 from flockfl.algorithms import auto
 from flockfl.config import ExperimentConfig
 from flockfl.engine import TrainResult
-from flockfl.evaluation import summarise
+from flockfl.eval_summary import summarise
 from flockfl.experiments import validate
 from flockfl.state import ServerState
 from flows.dask import DaskTraining, dask_cluster, dask_stage, shared_prefect_api

@@ -268,7 +268,8 @@ def test_perfedavg_last_local_is_each_clients_model_after_its_last_local_trainin
     """Two rounds of 6 of 12 clients: a client's evaluation model is its w^i of the last round it
     trained in (the meta-steps from that round's w), the global w if it never trained."""
     from flockfl.algorithms.perfedavg import maml_solver
-    from flockfl.evaluation import measure_own, protocol
+    from flockfl.eval_protocol import protocol
+    from flockfl.evaluation import measure_own
 
     cfg = cfg_of("perfedavg", algorithm={"eval_model": "last_local", "alpha": 0.05, "beta": 0.1}, train={"rounds": 2})
     prep, st = run(cfg, tmp_path / "full")

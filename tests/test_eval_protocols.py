@@ -162,7 +162,7 @@ ROWS = [{"accuracy": 0.5, "accuracy__proportional__samples": 0.5, "loss": 2.0}, 
     ("final", None, 0.7, 4), ("best", None, 0.9, 3), ("mean_last", None, 0.8, 4),
     ("best_after_all_seen", 4, 0.7, 4), ("best_after_all_seen", 2, 0.9, 3)])
 def test_report_modes_pick_their_round(mode, all_trained, want, round_):
-    from flockfl.evaluation import summarise
+    from flockfl.eval_summary import summarise
 
     s = summarise(_state(ROWS, all_trained, report=mode))
     assert s["metrics"]["accuracy"] == pytest.approx(want)
@@ -174,14 +174,14 @@ def test_report_modes_pick_their_round(mode, all_trained, want, round_):
 
 
 def test_best_after_all_seen_without_every_client_trained_reports_nothing():
-    from flockfl.evaluation import summarise
+    from flockfl.eval_summary import summarise
 
     s = summarise(_state(ROWS, None, report="best_after_all_seen"))
     assert "accuracy" not in s["metrics"] and s["protocol"]["accuracy_round"] is None
 
 
 def test_all_trained_round_counts_federating_clients_only():
-    from flockfl.evaluation import note_trained
+    from flockfl.eval_summary import note_trained
 
     meta: dict = {}
     seen = np.array([0, 1, 2, 4])  # client 3 is a newcomer

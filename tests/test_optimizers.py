@@ -331,7 +331,7 @@ def test_sim_round_time_is_the_slowest_clients_compute_plus_transfers(tmp_path):
 
 def test_time_to_target_accuracy(tmp_path):
     cfg = validate(tiny_config(train={"rounds": 6, "target_accuracy": 0.3}))
-    from flockfl.evaluation import summarise
+    from flockfl.eval_summary import summarise
 
     state = run_rounds(prepare(cfg, tmp_path))
     s = summarise(state, 0.3)

@@ -282,7 +282,7 @@ def test_the_pfllib_rows_run_pfllibs_rules_beside_the_papers(tmp_path):
 def test_a_local_split_measures_no_label_union_and_summarises(tmp_path):
     """test_split=local: the clients' own held-out samples are the only test set, so no
     label_union metric is computed or logged; the summary and its reports still work."""
-    from flockfl.evaluation import summarise
+    from flockfl.eval_summary import summarise
     from flockfl.rounds import prepare, run_rounds
 
     cfg = validate(tiny_config(partition={"scheme": "iid", "num_clients": 10, "test_split": "local"},

@@ -17,7 +17,7 @@ from flockfl.engine import LocalSpec, TrainResult, train_cohort, train_reference
 from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator
 from flockfl.rounds import prepare, run_rounds
-from flockfl.evaluation import summarise
+from flockfl.eval_summary import summarise
 from flockfl.stages.pruning import Pruning, hamming, magnitude_masks, thesis_comm_bytes
 from models import build_model, init_params
 
@@ -276,7 +276,8 @@ def test_unstructured_pruning_reaches_the_target_and_masks_only_shrink(tmp_path)
 
 def test_the_personalised_model_is_the_server_model_restricted_to_the_mask(tmp_path):
     """accuracy_pruned evaluates each client with its model ⊙ its mask (BN statistics its own)."""
-    from flockfl.evaluation import own_model_metrics, summarise_clients
+    from flockfl.eval_protocol import summarise_clients
+    from flockfl.evaluation import own_model_metrics
     from flockfl.engine.functional import index_params
 
     cfg = cfg_of({"method": "unstructured", "target": 0.5, **EAGER}, rounds=3, clients_per_round=8)

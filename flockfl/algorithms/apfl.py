@@ -75,7 +75,8 @@ from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.schedule import client_batches
 from flockfl.engine.trainers import calibrate_bn, training
-from flockfl.evaluation import measure_own, measure_shared, overlay
+from flockfl.eval_protocol import overlay
+from flockfl.evaluation import measure_own, measure_shared
 from flockfl.rng import np_rng
 
 ALPHA = "__alpha__"  # the row entry holding α_i

@@ -33,7 +33,8 @@ from flockfl.engine import TRAINERS
 from flockfl.engine.functional import index_params, num_params, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
-from flockfl.evaluation import ClientMetrics, client_results, cluster_breakdown, evaluate_models, measure_own
+from flockfl.eval_protocol import ClientMetrics
+from flockfl.evaluation import client_results, cluster_breakdown, evaluate_models, measure_own
 from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
 from models import init_params

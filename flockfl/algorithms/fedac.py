@@ -96,7 +96,8 @@ from flockfl.algorithms.hyper import is_auto
 from flockfl.clustering.choose import Choice, choose_cut
 from flockfl.clustering.lrcos import Tuning, coordinates, e_step, em_step, lrcos, m_step, pca_map
 from flockfl.context import RunContext
-from flockfl.evaluation import client_model_losses, cluster_breakdown, family, measure_shared, protocol
+from flockfl.eval_protocol import family, protocol
+from flockfl.evaluation import client_model_losses, cluster_breakdown, measure_shared
 from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult

@@ -105,7 +105,8 @@ from flockfl.algorithms.hyper import is_auto
 from flockfl.clustering.choose import Choice, choose_cut, choose_kmeans, cosine_distance
 from flockfl.clustering.groups import eq8_assign, inter_group, kmeans_partition, madc_matrix
 from flockfl.context import RunContext
-from flockfl.evaluation import family, measure_shared, protocol
+from flockfl.eval_protocol import family, protocol
+from flockfl.evaluation import measure_shared
 from flockfl.rng import np_rng
 from flockfl.state import ServerState
 

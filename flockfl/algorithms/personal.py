@@ -43,7 +43,8 @@ from flockfl.engine.schedule import LocalSpec, restrict
 from flockfl.engine.trainers import TrainResult
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.trainers import stat_names, training
-from flockfl.evaluation import ClientMetrics, client_results, family, measure_own, measure_shared, overlay, protocol
+from flockfl.eval_protocol import ClientMetrics, family, overlay, protocol
+from flockfl.evaluation import client_results, measure_own, measure_shared
 from models import WeightedBatchNorm2d, build_model
 
 WEIGHTED = (nn.modules.conv._ConvNd, nn.Linear)

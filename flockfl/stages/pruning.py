@@ -36,11 +36,10 @@ each client's pruned entries with its cluster's keeper mean: any aggregation tha
 weighted mean within clusters (FedAvg, FedProx, SCAFFOLD, IFCA, PACFL, …) then gives the
 masked mean exactly, without touching the algorithm.
 
-BatchNorm (the ``lenet5_bn`` and ``cnn_bn`` models): γ and β are parameters, averaged over
-the clients that keep their channel. The statistics are personal: a client recomputes them
-over its own training data after every local training and whenever it evaluates its
-subnetwork; the server averages the ones it receives, over the keepers, for the models it
-reports itself.
+BatchNorm (the ``lenet5_bn`` and ``cnn_bn`` models): γ and β are parameters, averaged over the
+clients that keep their channel. The statistics are personal: a client recomputes them over
+its own training data after every local training and whenever it evaluates its subnetwork; the
+server averages the ones it receives, over the keepers, for the models it reports itself.
 
 State (``state.algo['pruning']``): every client's weight masks and channel masks (bool, in
 two :class:`~flockfl.clientstate.ClientTable`, so memory and checkpoints grow with the clients a
@@ -364,7 +363,8 @@ class Pruning(Stage):
         training: ``accuracy_pruned_finetuned``; and the sparsity reached."""
         from flockfl.engine import TRAINERS
         from flockfl.engine.functional import index_params
-        from flockfl.evaluation import ClientMetrics, family, measure_own, protocol
+        from flockfl.eval_protocol import ClientMetrics, family, protocol
+        from flockfl.evaluation import measure_own
 
         ctx, t = prep.ctx, prep.cfg.train
         device = ctx.data.train.x.device
