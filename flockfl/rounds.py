@@ -17,17 +17,17 @@ import numpy as np
 import torch
 
 from flockfl.algorithms import Algorithm, build_algorithm
-from flockfl.clientstate import ClientTable, chunks
+from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig, classifier_list
 from flockfl.context import RunContext, unseen_clients
 from flockfl.data import build_client_data, build_or_load, load_dataset
 from flockfl.engine.data import ClientData
 from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
-from flockfl.engine.trainers import stat_names
 from flockfl.errors import ConfigError
 from flockfl.eval_protocol import ClientMetrics, Protocol, check_protocol, family, protocol
 from flockfl.eval_summary import note_trained, report_modes
 from flockfl.evaluation import measure_own, measure_shared
+from flockfl import optimizer_state
 from flockfl.faults import maybe_crash
 from flockfl.stages import build_stages
 from flockfl.state import ServerState, on_device
@@ -183,45 +183,12 @@ def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[Ser
         spec = dataclasses.replace(spec, momentum=ctx.cfg.train.momentum)
     for st in stages:
         spec = st.on_spec(ctx, state, spec, round)
-    if ctx.cfg.train.optimizer_state == "persist":  # each client resumes the momentum buffer its last round left
-        buffers = state.algo[OPTIMIZER_STATE].gather(spec.clients, ctx.data.train.x.device)
-        spec = dataclasses.replace(spec, momentum_init=buffers)
+    spec = optimizer_state.gather_into(ctx.cfg, state, spec, ctx.data.train.x.device)  # persist: last round's buffers
     maybe_crash("select", round)
     return state, spec
 
 
 ROUND_COHORT = "round_cohort"  # state.meta: a stage's cohort of a multi-cycle round (dropped when the round ends)
-# state.algo: under train.optimizer_state=persist, every client's local momentum buffer (a ClientTable)
-OPTIMIZER_STATE = "optimizer_state"
-
-
-def with_optimizer_table(prep: PreparedRun, state: ServerState) -> ServerState:
-    """``train.optimizer_state=persist``: the state with a :class:`~flockfl.clientstate.ClientTable` of every
-    client's local momentum buffer (``state.algo['optimizer_state']``: one row of the trained parameters' shapes
-    and dtypes, zeros, i.e. a fresh optimiser, until the client's first round), added once; the checkpoints carry
-    it like any table (its rows under ``client_state/optimizer_state``), so a resumed client goes on with the
-    buffer it had. ``reset`` (the default) keeps no optimiser state: the state is returned as it is."""
-    if prep.cfg.train.optimizer_state != "persist" or OPTIMIZER_STATE in state.algo:
-        return state
-    frozen = set(stat_names(prep.ctx.model))  # BN statistics: never stepped, no buffer
-    zeros = {n: torch.zeros_like(state.models[n][0]) for n, _ in prep.ctx.model.named_parameters() if n not in frozen}
-    return state.replace(algo={**state.algo, OPTIMIZER_STATE: ClientTable(prep.ctx.num_clients, zeros)})
-
-
-def keep_optimizer_state(prep: PreparedRun, received: ServerState, state: ServerState, result: TrainResult) -> ServerState:
-    """``train.optimizer_state=persist``: ``state`` (after aggregation) with the trained clients' final momentum
-    buffers (``result.meta['momentum_buffer']``) written into the table of ``received`` (the state they trained
-    from); a dropped client keeps the buffer it had. A local update that returns no buffer (a closed-form solver, a
-    method's own loop) is refused in one line rather than silently reset."""
-    if prep.cfg.train.optimizer_state != "persist":
-        return state
-    if "momentum_buffer" not in result.meta:
-        raise ConfigError(f"train.optimizer_state=persist: {prep.algorithm.name}'s local update returned no optimiser "
-                          "state (a closed-form solver or its own loop, not the trainers' SGD); set "
-                          "train.optimizer_state=reset")
-    table = received.algo[OPTIMIZER_STATE].scatter(result.clients, result.meta["momentum_buffer"])
-    return state.replace(algo={**state.algo, OPTIMIZER_STATE: table})
-
 
 def cycle_share(alg: Algorithm, state: ServerState, ctx: RunContext, round: int, cohort: np.ndarray,
                 drawn: np.ndarray) -> np.ndarray:
@@ -402,7 +369,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     runs several), then evaluate. After every cycle but the last, ``on_cycle`` gets a state
     that resumes the round at the next cycle (the flow checkpoints it)."""
     t0 = time.perf_counter()
-    state = with_optimizer_table(prep, state)
+    state = optimizer_state.with_table(prep.cfg, prep.ctx.model, prep.ctx.num_clients, state)
     work = RoundWork(**state.meta.get("partial_round", {}))
     cycles = prep.algorithm.cycles_per_round(state, prep.ctx)
     for c in range(work.cycle, cycles):
@@ -416,7 +383,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
             kept = restrict_spec(spec, result.clients)
             assign = stages.cluster(prep, state, kept, result)
             state = stages.aggregate(prep, state, kept, result, assign, round)
-            state = keep_optimizer_state(prep, received, state, result)
+            state = optimizer_state.keep(prep.cfg, prep.algorithm.name, received, state, result)
             companion = prep.algorithm.companion_spec(received, prep.ctx, spec, round)
             if companion is not None:
                 state = train_companions(prep, stages, state, companion, engine, round)

@@ -402,6 +402,7 @@ def render(plan: ReproPlan) -> tuple[str, dict]:
         for source in t.published:
             header.append(f"{c + ' ' if c else ''}{source}")
     lines, cells_json = [], []
+    star = len(t.conventions) > 1 and bool(t.published)  # mark the compared value where there is a choice
     hits = {s: [0, 0] for s in t.tolerance}
     for r in plan.rows:
         line = [r]
@@ -410,7 +411,6 @@ def render(plan: ReproPlan) -> tuple[str, dict]:
                 line += ["·"] * (len(t.conventions) + len(t.published))
                 continue
             v, first = vals[(r, c)], compared(t, r)
-            star = len(t.conventions) > 1 and bool(t.published)
             line += [_ms(v[conv["label"]]) + ("*" if star and conv["label"] == first and v[first] else "")
                      for conv in t.conventions]
             cell = {"row": r, "column": c, "ours": {k: {"values": xs, "mean": statistics.fmean(xs) if xs else None}
@@ -426,7 +426,7 @@ def render(plan: ReproPlan) -> tuple[str, dict]:
             cells_json.append(cell)
         lines.append(line)
     text = markdown_table(header, lines)
-    if len(t.conventions) > 1 and t.published:
+    if star:
         text += ("\n\n`*`: the convention compared with the published numbers (the first, or the row's own where its "
                  "paper's code measured that method another way)")
     within = {s: {"within": h[0], "of": h[1], "points": float(t.tolerance[s])} for s, h in hits.items()}

@@ -22,7 +22,8 @@ import torch
 from flockfl.errors import ConfigError
 from flockfl.experiments import validate
 from flockfl.rng import np_rng
-from flockfl.rounds import OPTIMIZER_STATE, prepare, run_rounds
+from flockfl.optimizer_state import OPTIMIZER_STATE
+from flockfl.rounds import prepare, run_rounds
 
 from conftest import (assert_mid_round_resume, assert_resume_bit_identical, assert_trainers_agree, flockfl_run, rel_err,
                       tiny_config)
