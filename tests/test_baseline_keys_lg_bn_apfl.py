@@ -170,7 +170,7 @@ class NormNet(nn.Module):
 
 def test_local_norm_resolves_by_module_type():
     from flockfl.algorithms.fedbn import norm_layers
-    from flockfl.algorithms.personal import resolve_layers
+    from flockfl.algorithms.partial import resolve_layers
     from models import build_model
 
     m = NormNet()

@@ -28,7 +28,7 @@ def run(cfg, tmp_path, until=None):
 
 
 def test_partitions_cover_the_model_by_module_type():
-    from flockfl.algorithms.personal import resolve_layers
+    from flockfl.algorithms.partial import resolve_layers
     from models import build_model
 
     m = build_model("lenet5_bn", (1, 8, 8), 10)

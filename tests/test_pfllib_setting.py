@@ -170,7 +170,7 @@ def test_pfllib_pat_with_more_classes_per_client_and_too_few_samples():
 
 def test_pfllib_cnn_layers_and_parameter_count():
     """Spec §1: conv1 832, conv2 51,264, fc1 524,800, head 5,130; 582,026 in all, body 576,896."""
-    from flockfl.algorithms.personal import resolve_layers
+    from flockfl.algorithms.partial import resolve_layers
 
     m = build_model("pfllib_cnn", (1, 28, 28), 10)
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}

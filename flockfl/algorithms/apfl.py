@@ -68,7 +68,6 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, choice, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
@@ -235,7 +234,7 @@ class APFL(PersonalModels):
     def local_spec(self, state, ctx, clients, round):
         """FedAvg's spec for w; the (v, α) pass runs in the same train shards on the same batches
         (``personal_pass``), so the executor distributes and retries it with the cohort's training."""
-        spec = Algorithm.local_spec(self, state, ctx, clients, round)
+        spec = super().local_spec(state, ctx, clients, round)
         if self.cfg.train.momentum:
             spec.momentum = self.cfg.train.momentum
         v, alpha = self.rows(state, clients)

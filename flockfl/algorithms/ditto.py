@@ -45,7 +45,6 @@ from typing import Any, Optional
 
 import numpy as np
 
-from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels
@@ -137,7 +136,7 @@ class Ditto(PersonalModels):
         the w-pass (``personal_pass``: its spec rides in ``meta``, restricted with the shard),
         so the executor distributes and retries it with the cohort's training. With no
         personal epochs, the rows ride as they are."""
-        spec = Algorithm.local_spec(self, state, ctx, clients, round)
+        spec = super().local_spec(state, ctx, clients, round)
         v = {k: x.contiguous() for k, x in self.own_models(state, ctx, clients, None).items()}
         if self.epochs() == 0:
             spec.meta = {**spec.meta, "personal": v}

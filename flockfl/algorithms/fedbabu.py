@@ -22,7 +22,8 @@ import dataclasses
 import numpy as np
 
 from flockfl.algorithms.hyper import choice, integer, real, sourced, weighting
-from flockfl.algorithms.personal import PartialSharing, frozen_masks, partition_key, run_pass
+from flockfl.algorithms.partial import PartialSharing, frozen_masks, partition_key
+from flockfl.algorithms.personal import run_pass
 from flockfl.client import pass_spec
 from flockfl.engine import TRAINERS
 from flockfl.engine.trainers import TrainResult

@@ -22,7 +22,7 @@ from __future__ import annotations
 from torch import nn
 
 from flockfl.algorithms.hyper import choice, weighting
-from flockfl.algorithms.personal import PartialSharing, resolve_layers
+from flockfl.algorithms.partial import PartialSharing, resolve_layers
 from models import WeightedBatchNorm2d
 
 # every normalisation module type (``_NormBase``: BatchNorm, SyncBatchNorm, InstanceNorm)

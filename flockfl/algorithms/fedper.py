@@ -15,7 +15,7 @@ values could not be verified and it has no official code) takes any partition of
 from __future__ import annotations
 
 from flockfl.algorithms.hyper import sourced, weighting
-from flockfl.algorithms.personal import PartialSharing, partition_key
+from flockfl.algorithms.partial import PartialSharing, partition_key
 
 class FedPer(PartialSharing):
     name = "fedper"

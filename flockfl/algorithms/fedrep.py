@@ -27,7 +27,8 @@ from __future__ import annotations
 import numpy as np
 
 from flockfl.algorithms.hyper import integer, sourced, weighting
-from flockfl.algorithms.personal import PartialSharing, frozen_masks, partition_key, run_pass
+from flockfl.algorithms.partial import PartialSharing, frozen_masks, partition_key
+from flockfl.algorithms.personal import run_pass
 from flockfl.client import finetune_epochs, pass_spec, round_spec
 from flockfl.engine import TRAINERS
 

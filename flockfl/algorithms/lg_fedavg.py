@@ -40,9 +40,8 @@ import numpy as np
 import torch
 
 from flockfl.aggregation import broadcast
-from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, integer, sourced, weighting
-from flockfl.algorithms.personal import PartialSharing, partition_key
+from flockfl.algorithms.partial import PartialSharing, partition_key
 from flockfl.clientstate import ClientTable
 
 
@@ -89,9 +88,8 @@ class LGFedAvg(PartialSharing):
         table = ClientTable(num_clients, {k: state.models[k][0] for k in keys})
         return state.replace(algo={**state.algo, "personal": table})
 
-    def init_state(self, ctx):
-        state = Algorithm.init_state(self, ctx)
-        state = state.replace(meta={**state.meta, "personal_layers": self.personal_names(ctx.model)})
+    def start_rows(self, state, ctx):
+        """Round 0: the client rows, unless a warm start comes first (they appear at its end)."""
         if not self.names(state) or int(self.hp("warm_start_rounds")) > 0:
             return state
         return self.with_rows(state, ctx.num_clients)
@@ -103,8 +101,8 @@ class LGFedAvg(PartialSharing):
         return state
 
     # ------------------------------------------------------------------ rounds
-    def train_models(self, state, clients) -> dict[str, torch.Tensor]:
-        """Where training starts: the current θ^g (broadcast) + each client's θ_i^l."""
+    def start_models(self, state, ctx, clients) -> dict[str, torch.Tensor]:
+        """Where training starts: the current θ^g (broadcast) + each client's θ_i^l (warm: θ^g alone)."""
         clients = np.asarray(clients, np.int64)
         out = broadcast(state.models, len(clients))
         if "personal" in state.algo:
@@ -112,23 +110,10 @@ class LGFedAvg(PartialSharing):
             out.update({k: rows[k] for k in self.names(state)})
         return out
 
-    def local_spec(self, state, ctx, clients, round):
-        spec = Algorithm.local_spec(self, state, ctx, clients, round)
-        if not self.warm(state):  # warm: FedAvg's spec
-            spec.init = self.train_models(state, clients)
-        return spec
-
-    def aggregate(self, state, ctx, spec, result, assign):
-        """Warm: FedAvg. Then PartialSharing's: the weighted mean of the global layers, and the
-        trained clients' rows (their θ_i^l, and measured stale their uploaded θ_i^g)."""
-        if self.warm(state):
-            return Algorithm.aggregate(self, state, ctx, spec, result, assign)
-        return super().aggregate(state, ctx, spec, result, assign)
-
-    def comm_bytes(self, state, clients):
-        if self.warm(state):
-            return Algorithm.comm_bytes(self, state, clients)
-        return super().comm_bytes(state, clients)
+    def kept_names(self, state) -> list[str]:
+        """Warm: none (FedAvg on every layer). Then the local layers: PartialSharing's mean of the
+        global layers, and the trained clients' rows (their θ_i^l, and measured stale their θ_i^g)."""
+        return [] if self.warm(state) else self.names(state)
 
     # ------------------------------------------------------------------ evaluation
     def own_models(self, state, ctx, clients, assign):
@@ -136,7 +121,7 @@ class LGFedAvg(PartialSharing):
         training left it (the init or warm model if never sampled; a newcomer: the current θ^g
         and the init local layers); refreshed, the current θ^g + its θ_i^l."""
         if not self.stale(state):
-            return self.train_models(state, clients)
+            return self.start_models(state, ctx, clients)
         clients = np.asarray(clients, np.int64)
         device = next(iter(state.models.values())).device
         rows = state.algo["personal"].gather(clients, device)

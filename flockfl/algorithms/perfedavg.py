@@ -63,7 +63,6 @@ import dataclasses
 import numpy as np
 import torch
 
-from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels, gradient, run_pass, trained_names
@@ -193,7 +192,7 @@ class PerFedAvg(PersonalModels):
         return float(b) if b is not None else self.cfg.train.lr if self.hp("variant") == "pfllib" else self.BETA
 
     def local_spec(self, state, ctx, clients, round):
-        spec = Algorithm.local_spec(self, state, ctx, clients, round)
+        spec = super().local_spec(state, ctx, clients, round)
         variant = self.hp("variant")
         spec.meta = {**spec.meta, "perfedavg": {"variant": "fo" if variant == "pfllib" else variant,
                                                 "alpha": self.alpha(), "beta": self.beta(), "delta": self.hp("delta"),
@@ -208,7 +207,7 @@ class PerFedAvg(PersonalModels):
         clients = np.asarray(clients, np.int64)
         mode = self.hp("eval_model")
         if mode == "last_local":
-            return PersonalModels.own_models(self, state, ctx, clients, assign)
+            return super().own_models(state, ctx, clients, assign)
         glob = broadcast(state.models, len(clients))
         if mode == "finetune":
             spec = pass_spec(self.cfg.train, clients, glob, 1, stream="perfedavg_finetune")
@@ -219,13 +218,10 @@ class PerFedAvg(PersonalModels):
                              stream="perfedavg_adapt")
         return run_pass(ctx, state, dataclasses.replace(spec, lr=self.alpha()), state.round).params
 
-    def aggregate(self, state, ctx, spec, result, assign):
-        """w: the mean of the trained clients' w^i; under ``last_local`` those w^i to their rows."""
-        new = Algorithm.aggregate(self, state, ctx, spec, result, assign)
-        if not self.keeps_rows:
-            return new
-        rows = {k: result.params[k] for k in state.models}
-        return new.replace(algo={**state.algo, "personal": state.algo["personal"].scatter(result.clients, rows)})
+    def new_rows(self, state, spec, result):
+        """w: the mean of the trained clients' w^i (FedAvg's aggregate); under ``last_local``
+        those w^i are their rows."""
+        return {k: result.params[k] for k in state.models}
 
     def admit_newcomers(self, state, ctx, newcomers):
         rule = {"adapt": "the global w, adapted on own data (α-steps)",

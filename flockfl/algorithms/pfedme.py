@@ -58,7 +58,6 @@ import numpy as np
 import torch
 
 from flockfl.aggregation import weighted_mean
-from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import Hyper, integer, real, weighting
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.schedule import client_batches, cohort_schedule, stack_schedule
@@ -219,7 +218,7 @@ class PFedMe(PersonalModels):
 
     def round_spec(self, state, ctx, clients, round):
         """FedAvg's spec with R local rounds when ``local_rounds`` is set (``steps`` = R)."""
-        spec = Algorithm.local_spec(self, state, ctx, clients, round)
+        spec = super().local_spec(state, ctx, clients, round)
         r = self.hp("local_rounds")
         return spec if r is None else dataclasses.replace(spec, steps=int(r), client_epochs=None)
 
