@@ -10,6 +10,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from flockfl.algorithms import ALGORITHMS
 from flockfl.context import RunContext
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult
 from flockfl.engine.schedule import restrict
@@ -44,9 +45,9 @@ def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int, stage
         raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
     for st in stages:
         result = st.after_train(ctx, spec, result)
-    if spec.personal_pass is not None:  # the shard's second pass (the personal models), same clients
-        rows = spec.personal_pass(ctx.model, spec, ctx.data.train, ctx.data.task, engine, ctx.seed, round)
-        result.meta = {**result.meta, "personal": rows}
+    if spec.second is not None:  # the shard's second pass (the personal models), same clients
+        run = ALGORITHMS[spec.second.method].second_pass
+        result.meta = {**result.meta, "personal": run(ctx.model, spec, ctx.data.train, ctx.data.task, engine, ctx.seed, round)}
     return result
 
 

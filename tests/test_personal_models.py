@@ -309,7 +309,7 @@ def test_per_client_solvers_train_bn_on_batch_statistics_and_calibrate(name, tmp
 @pytest.mark.parametrize("name", ["ditto", "apfl"])
 def test_the_personal_pass_runs_in_the_train_shards(name, tmp_path):
     """Ditto's v-pass and APFL's (v, α) pass run inside the round's train shards
-    (LocalSpec.personal_pass), so the executor distributes and retries them with the cohort: each
+    (LocalSpec.second, a typed SecondPass), so the executor distributes and retries them with the cohort: each
     shard's result carries its clients' new rows; shards of 2 give the rows of one shard, bit for
     bit; a client that fails every try is dropped with its row unwritten, the others' rows unchanged."""
     import dataclasses
@@ -320,7 +320,7 @@ def test_the_personal_pass_runs_in_the_train_shards(name, tmp_path):
 
     def train(prep, spec, engine, round):
         out = PLAIN.train(prep, spec, engine, round)
-        calls.append((np.asarray(spec.clients).copy(), spec.personal_pass is not None, out[0]))
+        calls.append((np.asarray(spec.clients).copy(), spec.second is not None, out[0]))
         return out
 
     prep = prepare(cfg_of(name, train={"rounds": 1, "shard_size": 2}), tmp_path / "two")

@@ -302,13 +302,14 @@ def test_pfedme_moreau_step_by_hand(over, mu, solver):
 def test_ditto_proximal_step_by_hand(engine, over):
     """v ← v − η_s(∇f(v; b) + λ(v − w^t) + ωv) through a heavy-ball buffer, on the w-pass's
     batches, anchored to the round-start w^t (not to v, not to the moving w)."""
-    from flockfl.algorithms.ditto import ANCHOR, HYPER, ROWS_IN, ditto_pass
+    from flockfl.algorithms.ditto import Ditto
+    from flockfl.engine.schedule import SecondPass
 
     model, data, w0, v0 = problem()
     lam = 0.7
     spec = spec_of(w0, **over)
-    spec.meta = {ROWS_IN: v0, ANCHOR: stacked(w0), HYPER: {"lam": lam, "epochs": None, "stream": "shuffle"}}
-    got = ditto_pass(model, spec, data, TASK, engine, SEED, ROUND)
+    spec.second = SecondPass("ditto", v0, stacked(w0), {"lam": lam, "epochs": None, "stream": "shuffle"})
+    got = Ditto.second_pass(model, spec, data, TASK, engine, SEED, ROUND)
     wd, rho = spec.weight_decay, spec.momentum
     for i in range(2):
         x, y = data.client(i)

@@ -72,7 +72,7 @@ from flockfl.algorithms.hyper import Hyper, choice, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.functional import per_sample_loss
-from flockfl.engine.schedule import client_batches
+from flockfl.engine.schedule import SecondPass, client_batches
 from flockfl.engine.trainers import calibrate_bn, training
 from flockfl.eval_protocol import overlay
 from flockfl.evaluation import measure_own, measure_shared
@@ -160,18 +160,6 @@ def personal_pass(model, spec, data, task, seed: int, round: int, v: dict, alpha
     return out_v, out_a
 
 
-ROWS_IN, HYPER = "apfl_rows", "apfl"  # spec.meta: the cohort's (v_i, α_i) at round start; the pass's settings
-
-
-def apfl_pass(model, spec, data, task, engine, seed, round):
-    """The shard's (v, α) pass (``LocalSpec.personal_pass``, :func:`personal_pass` on the shard's
-    clients, from their round-start rows): the new rows {v, α}."""
-    rows, h = spec.meta[ROWS_IN], spec.meta[HYPER]
-    v, alpha = personal_pass(model, spec, data, task, seed, round, {k: x for k, x in rows.items() if k != ALPHA},
-                             rows[ALPHA], h["adaptive"], h["alpha_lr"], h["alpha_l2"], h["mix"], h.get("variant", "paper"))
-    return {**v, ALPHA: alpha}
-
-
 class APFL(PersonalModels):
     unwritten_rows_are_global = False  # own_models computes the evaluation model (PersonalModels)
     name = "apfl"
@@ -233,18 +221,25 @@ class APFL(PersonalModels):
 
     def local_spec(self, state, ctx, clients, round):
         """FedAvg's spec for w; the (v, α) pass runs in the same train shards on the same batches
-        (``personal_pass``), so the executor distributes and retries it with the cohort's training."""
+        (``spec.second``), so the executor distributes and retries it with the cohort's training."""
         spec = super().local_spec(state, ctx, clients, round)
         if self.cfg.train.momentum:
             spec.momentum = self.cfg.train.momentum
         v, alpha = self.rows(state, clients)
         lr = self.hp("alpha_lr")
-        spec.meta = {**spec.meta, ROWS_IN: {**v, ALPHA: alpha},
-                     HYPER: {"adaptive": bool(self.hp("adaptive")), "alpha_lr": None if lr is None else float(lr),
-                             "alpha_l2": float(self.hp("alpha_l2")), "mix": self.hp("mix"),
-                             "variant": self.hp("variant")}}
-        spec.personal_pass = apfl_pass
+        spec.second = SecondPass(self.name, {**v, ALPHA: alpha}, None, {
+            "adaptive": bool(self.hp("adaptive")), "alpha_lr": None if lr is None else float(lr),
+            "alpha_l2": float(self.hp("alpha_l2")), "mix": self.hp("mix"), "variant": self.hp("variant")})
         return spec
+
+    @staticmethod
+    def second_pass(model, spec, data, task, engine, seed, round):
+        """The shard's (v, α) pass (``spec.second``, :func:`personal_pass` on the shard's clients,
+        from their round-start rows): the new rows {v, α}."""
+        rows, h = spec.second.rows, spec.second.settings
+        v, alpha = personal_pass(model, spec, data, task, seed, round, {k: x for k, x in rows.items() if k != ALPHA},
+                                 rows[ALPHA], h["adaptive"], h["alpha_lr"], h["alpha_l2"], h["mix"], h["variant"])
+        return {**v, ALPHA: alpha}
 
     def chunk_metrics(self, state, ctx, clients, assign):
         """Output mixing: each written client's ŷ_i = α_i f(x; v_i) + (1 − α_i) f(x; w) with the

@@ -50,10 +50,7 @@ from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels
 from flockfl.client import finetune_epochs, pass_spec
 from flockfl.engine import TRAINERS
-from flockfl.engine.schedule import LocalSpec
-
-
-ROWS_IN, ANCHOR, HYPER = "ditto_rows", "ditto_anchor", "ditto"  # spec.meta: v_k, w^t, the pass's settings
+from flockfl.engine.schedule import LocalSpec, SecondPass
 
 
 def personal_work(spec: LocalSpec) -> LocalSpec:
@@ -61,19 +58,13 @@ def personal_work(spec: LocalSpec) -> LocalSpec:
     local work, rate schedule, weight decay, momentum and curriculum as the w-pass, from each
     client's v_k with λ(v − w^t); its own batch order and, when set, its own epochs under
     ``schedule=sequential``. Nothing of the w-pass's own terms (masks, snapshots, solver)."""
-    h = spec.meta[HYPER]
-    out = dataclasses.replace(spec, init=spec.meta[ROWS_IN], prox_mu=float(h["lam"]), prox_anchor=spec.meta[ANCHOR],
-                              stream=h["stream"], meta=None, correction=None, masks=None, snapshot_steps=None,
-                              solver=None, solver_vectorized=None, personal_pass=None, momentum_init=None)
+    p, h = spec.second, spec.second.settings
+    out = dataclasses.replace(spec, init=p.rows, prox_mu=float(h["lam"]), prox_anchor=p.anchor, stream=h["stream"],
+                              meta=None, correction=None, masks=None, snapshot_steps=None, solver=None,
+                              solver_vectorized=None, second=None, momentum_init=None)
     if h["epochs"] is not None:  # sequential with personal_epochs: every client that many epochs
         out = dataclasses.replace(out, epochs=int(h["epochs"]), steps=None, client_epochs=None, client_steps=None)
     return out
-
-
-def ditto_pass(model, spec, data, task, engine, seed, round):
-    """The shard's v-pass (``LocalSpec.personal_pass``): λ-proximal SGD from each client's v_k,
-    anchored to w^t, by the shard's trainer (:func:`personal_work`); its clients are the shard's."""
-    return TRAINERS[engine](model, personal_work(spec), data, task, seed, round).params
 
 
 class Ditto(PersonalModels):
@@ -133,7 +124,7 @@ class Ditto(PersonalModels):
     # ------------------------------------------------------------------ round
     def local_spec(self, state, ctx, clients, round):
         """FedAvg's spec for w; the personal pass on v_k runs in the same train shards, after
-        the w-pass (``personal_pass``: its spec rides in ``meta``, restricted with the shard),
+        the w-pass (``spec.second``, restricted with the shard),
         so the executor distributes and retries it with the cohort's training. With no
         personal epochs, the rows ride as they are."""
         spec = super().local_spec(state, ctx, clients, round)
@@ -142,10 +133,15 @@ class Ditto(PersonalModels):
             spec.meta = {**spec.meta, "personal": v}
             return spec
         stream = "shuffle" if self.hp("schedule") == "interleaved" else "personal"
-        spec.meta = {**spec.meta, ROWS_IN: v, ANCHOR: broadcast(state.models, len(clients)),
-                     HYPER: {"lam": float(self.hp("lam")), "epochs": self.epochs(), "stream": stream}}
-        spec.personal_pass = ditto_pass
+        spec.second = SecondPass(self.name, v, broadcast(state.models, len(clients)),
+                                 {"lam": float(self.hp("lam")), "epochs": self.epochs(), "stream": stream})
         return spec
+
+    @staticmethod
+    def second_pass(model, spec, data, task, engine, seed, round):
+        """The shard's v-pass (``spec.second``): λ-proximal SGD from each client's v_k, anchored
+        to w^t, by the shard's trainer (:func:`personal_work`); its clients are the shard's."""
+        return TRAINERS[engine](model, personal_work(spec), data, task, seed, round).params
 
     def evaluate(self, state, ctx) -> dict[str, Any]:
         """``eval=best_of``: every mean accuracy of the personal family (``accuracy`` and its

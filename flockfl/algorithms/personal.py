@@ -147,7 +147,7 @@ class PersonalModels(Personal):
     def new_rows(self, state, spec, result) -> dict[str, torch.Tensor]:
         """The trained clients' new rows, in result order: the shards' second pass, or rows the
         driver computed (``spec.meta['personal']``, in cohort order)."""
-        if "personal" in result.meta:  # computed in the train shards (spec.personal_pass), in result order
+        if "personal" in result.meta:  # computed in the train shards (spec.second), in result order
             return result.meta["personal"]
         pos = {int(c): i for i, c in enumerate(spec.clients)}
         idx = torch.tensor([pos[int(c)] for c in result.clients], dtype=torch.long)

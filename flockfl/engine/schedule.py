@@ -42,6 +42,20 @@ class LrSchedule:
 
 
 @dataclass
+class SecondPass:
+    """A second pass of local training that each train shard runs after the round's, on the same
+    clients and with the shard's spec (Ditto's personal v-pass, APFL's (v, α) pass): the
+    algorithm registered as ``method`` runs it (its ``second_pass(model, spec, data, task,
+    engine, seed, round)``, a static method) and returns each client's new row. The rows and the
+    anchor are stacked per client and follow the shard (``restrict``)."""
+
+    method: str  # the registry name (``algorithm.name``) of the algorithm whose ``second_pass`` runs it
+    rows: dict[str, torch.Tensor]  # where each client's pass starts (Ditto: v_k; APFL: v_i and α_i)
+    anchor: Optional[dict[str, torch.Tensor]] = None  # a point each client is pulled to (Ditto: w^t)
+    settings: dict = dataclasses.field(default_factory=dict)  # the method's knobs (plain values: λ, epochs, stream)
+
+
+@dataclass
 class LocalSpec:
     """How the selected clients train this round (from ``Algorithm.local_spec``)."""
 
@@ -80,10 +94,8 @@ class LocalSpec:
     # which the vectorised trainer runs instead of ``solver`` where it is set (pFedMe's inner solve)
     solver_vectorized: Optional[Callable] = None
     # a second pass each shard runs after its training, on the same clients (Ditto's personal
-    # v-pass, APFL's (v, α) pass): (model, spec, data, task, engine, seed, round) → stacked
-    # per-client tensors, which the shard's result carries as ``meta['personal']``; its inputs
-    # ride in ``meta`` (per-client rows and nested LocalSpecs are restricted with the cohort)
-    personal_pass: Optional[Callable] = None
+    # v-pass, APFL's (v, α) pass): its result rides in the shard's ``TrainResult.meta['personal']``
+    second: Optional["SecondPass"] = None
     # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a
     # round's training, another name for extra passes (evaluation fine-tuning, newcomers)
     stream: str = "shuffle"
@@ -189,8 +201,6 @@ def restrict(spec: LocalSpec, positions) -> LocalSpec:
         return None if d is None else {k: v[pos_t] for k, v in d.items()}
 
     def per_client(v):
-        if isinstance(v, LocalSpec):  # a pass of the same clients riding in meta (Ditto's personal spec)
-            return restrict(v, positions)
         if isinstance(v, dict) and v and all(isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == n for t in v.values()):
             return rows(v)  # stacked per-client tensors (the pruning stage's mask rows)
         return v[positions] if isinstance(v, np.ndarray) and len(v) == n else v
@@ -206,4 +216,6 @@ def restrict(spec: LocalSpec, positions) -> LocalSpec:
         client_epochs=per_client(spec.client_epochs), client_steps=per_client(spec.client_steps),
         meta={k: per_client(v) for k, v in (spec.meta or {}).items()},
         masks=rows(spec.masks), snapshot_steps=per_client(spec.snapshot_steps), order=listed(spec.order),
+        second=None if spec.second is None else dataclasses.replace(
+            spec.second, rows=rows(spec.second.rows), anchor=rows(spec.second.anchor)),
     )
