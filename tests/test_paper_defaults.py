@@ -13,7 +13,7 @@ import pytest
 import yaml
 from conftest import ROOT, last_json, run_flock, tiny_config
 
-import flockfl.algorithms.ifca as ifca_module
+import flockfl.algorithms.ifca_init as ifca_init  # where IFCA's pre-training calls train_from
 from flockfl.algorithms import ALGORITHMS, algorithm_table, describe, sources_table
 from flockfl.algorithms.hyper import SOURCES, Hyper, declared
 from flockfl.errors import ConfigError
@@ -200,8 +200,8 @@ class Recorder:
 def test_no_client_trains_or_uploads_before_round_0_by_default(tmp_path, monkeypatch, name):
     """IFCA (the paper) and DIFCA (seed 002: the server publishes k models and only listens) have
     no central step: nobody pre-trains, nothing is uploaded or clustered before round 0."""
-    rec = Recorder(ifca_module.train_from)
-    monkeypatch.setattr(ifca_module, "train_from", rec)
+    rec = Recorder(ifca_init.train_from)
+    monkeypatch.setattr(ifca_init, "train_from", rec)
     cfg = validate(tiny_config(algorithm={"name": name, "k": 2}, train={"rounds": 2}))
     prep = prepare(cfg, tmp_path)
     assert not prep.algorithm.has_pre_federation()
@@ -219,8 +219,8 @@ def test_no_client_trains_or_uploads_before_round_0_by_default(tmp_path, monkeyp
 def test_the_k_means_start_is_an_option_with_a_central_step(tmp_path, monkeypatch, name):
     """"IFCA + k-means start": a cohort pre-trains and uploads before round 0 (the same check as
     above, failing as it should)."""
-    rec = Recorder(ifca_module.train_from)
-    monkeypatch.setattr(ifca_module, "train_from", rec)
+    rec = Recorder(ifca_init.train_from)
+    monkeypatch.setattr(ifca_init, "train_from", rec)
     cfg = validate(tiny_config(algorithm={"name": name, "k": 2, "init": "pretrain_kmeans"}, train={"rounds": 1}))
     prep = prepare(cfg, tmp_path)
     assert prep.algorithm.has_pre_federation()

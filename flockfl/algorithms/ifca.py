@@ -26,7 +26,7 @@ by construction. Every initialisation ties the shared parameters to one value: m
 ``random``/``balanced_restart``/``given``, the mean over all pre-trained clients for
 ``pretrain_kmeans``.
 
-Initialisation (``algorithm.init``):
+Initialisation (``algorithm.init``; in ``flockfl/algorithms/ifca_init.py``, which IFCA's hooks call):
 
 - ``random`` (default, the paper's: "random initialisation with multiple restarts"; spec §2.1):
   k independent draws (Bernoulli(0.5)^d for the linear model, as in the synthetic code;
@@ -64,26 +64,20 @@ assignments are compared with the true groups by ARI/NMI.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
-from flockfl import clustering
-from flockfl.aggregation import flatten, rows, weighted_mean
+from flockfl.aggregation import weighted_mean
+from flockfl.algorithms import ifca_init
 from flockfl.algorithms.base import Algorithm
-from flockfl.algorithms.auto import recorded
-from flockfl.clustering.choose import Choice, choose_kmeans, cosine_distance
 from flockfl.algorithms.hyper import Hyper, choice, integer, is_auto, real, text, weighting
 from flockfl.algorithms.layout import parameter_names, shared_parameters, tie
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
-from flockfl.client import round_spec, train_from
+from flockfl.client import round_spec
 from flockfl.context import RunContext
-from flockfl.engine.functional import index_params, stack
+from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
-from flockfl.errors import ConfigError
-from flockfl.rng import np_rng, torch_generator
 from flockfl.state import ServerState
-from models import init_params
 
 
 class IFCA(Algorithm):
@@ -91,6 +85,56 @@ class IFCA(Algorithm):
     family = "clustered"
     one_cluster_is_fedavg = True
     paper = "Ghosh, Chung, Yin, Ramchandran, An Efficient Framework for Clustered Federated Learning, arXiv 2006.04088"
+
+    # ------------------------------------------------------------------ the update rule (Alg. 2)
+    def local_spec(self, state: ServerState, ctx: RunContext, clients: np.ndarray, round: int) -> LocalSpec:
+        """Each client takes the model of lowest loss on its training data, ĵ = argmin_j F_i(θ_j),
+        and trains it: one full-batch gradient (option I) or τ local steps (option II)."""
+        losses = cluster_losses(state, ctx, clients)
+        chosen = assign_by_min_loss(losses)
+        t = self.cfg.train
+        init = index_params(state.models, torch.from_numpy(chosen))
+        if self.option == "gradient":
+            return LocalSpec(clients, init, t.lr, epochs=1, steps=1, full_batch=True,
+                             meta={"model_of_client": chosen, "cluster_losses": losses})
+        return round_spec(t, clients, init, meta={"model_of_client": chosen, "cluster_losses": losses},
+                          client_epochs=self.local_work(ctx, clients, round))
+
+    def aggregate(self, state, ctx, spec, result, assign):
+        """Per cluster: the mean of the returned models (option II) or the gradient step (option I);
+        a cluster nobody chose keeps its model; shared parameters over every participant."""
+        if self.option == "model":
+            new = super().aggregate(state, ctx, spec, result, assign)
+        else:
+            new = self._with_assignments(state, self.gradient_step(state, result, assign, len(ctx.seen)),
+                                         result.clients, assign)
+        if not self.shared:
+            return new
+        # shared parameters: one aggregate over every participant (cluster = "all")
+        everyone = np.zeros(len(result.clients), np.int64)
+        one = {k: state.models[k][:1] for k in self.shared}
+        if self.option == "model":
+            value = weighted_mean({k: result.params[k] for k in self.shared}, self.weights(result, np.arange(len(everyone))))
+        else:
+            value = {k: v[0] for k, v in self.gradient_step(state.replace(models=one), result, everyone,
+                                                              len(ctx.seen), self.shared).items()}
+        return new.replace(models=tie(new.models, self.shared, value))
+
+    def gradient_step(self, state, result, assign, m, names=None) -> dict[str, torch.Tensor]:
+        """Option I: θ_j ← θ_j − (1/m) Σ_{i: ĵ=j} (θ_j − θ̃_i), where θ_j − θ̃_i = γ g_i and m is
+        the number of workers that federate (``len(ctx.seen)``)."""
+        names = list(state.models) if names is None else names
+        models = {k: state.models[k].clone() for k in names}
+        for j in range(state.models[names[0]].shape[0]):
+            members = torch.from_numpy(np.flatnonzero(assign == j))
+            if len(members) == 0:
+                continue
+            for k in names:
+                step = (state.models[k][j].unsqueeze(0) - result.params[k][members]).sum(0)
+                models[k][j] = state.models[k][j] - step / m
+        return models
+
+    # ------------------------------------------------------------------ keys
     hyperparameters = (
         weighting("uniform", source="paper", note="Alg. 2 option II: unweighted per-cluster mean, as the MNIST/CIFAR "
                   "code; the FEMNIST code weights by n_i"),
@@ -154,167 +198,37 @@ class IFCA(Algorithm):
         """k; with k=auto one (θ_0) until the pre-federation step chooses k."""
         return 1 if is_auto(self.cfg.algorithm.k) else self.cfg.algorithm.k
 
+    # ------------------------------------------------------------------ initialisation (ifca_init.py)
     def has_pre_federation(self) -> bool:
         """An instance method (the base's is a classmethod): only init=pretrain_kmeans with k > 1
         has a step before round 0 (with one model there is nothing to cluster, so k = 1 stays
         plain FedAvg with uniform weights)."""
         return self.cfg.algorithm.init == "pretrain_kmeans" and (is_auto(self.cfg.algorithm.k) or self.num_models > 1)
 
-    # ------------------------------------------------------------------ initialisation
-    def draw_model(self, ctx: RunContext, g: torch.Generator) -> dict[str, torch.Tensor]:
-        """One random model: θ ~ Bernoulli(0.5)^d for the linear model (as the synthetic code), else the default init."""
-        if self.cfg.model.name == "linear":
-            return {n: torch.bernoulli(torch.full_like(p, 0.5), generator=g) for n, p in ctx.model.named_parameters()}
-        return init_params(ctx.model, g)
-
-    def random_models(self, ctx: RunContext, attempt: int = 0) -> dict[str, torch.Tensor]:
-        purpose = "init" if attempt == 0 else f"init/restart{attempt}"
-        return tie(stack([self.draw_model(ctx, torch_generator(ctx.seed, client=j, purpose=purpose))
-                          for j in range(self.num_models)]), self.shared)
-
     def input_files(self) -> dict[str, str]:
-        a = self.cfg.algorithm
-        return {"init_path": a.init_path} if a.init == "given" else {}
-
-    def given_models(self, ctx: RunContext) -> dict[str, torch.Tensor]:
-        """init=given: the k stacked models of the file ``algorithm.init_path`` (read by the run's
-        preparation into ``ctx.inputs``)."""
-        path, obj = self.cfg.algorithm.init_path, ctx.inputs["init_path"]
-        if isinstance(obj, list):
-            obj = stack(obj)
-        names = {n: p.shape for n, p in ctx.model.named_parameters()}
-        if set(obj) != set(names) or any(tuple(obj[n].shape) != (self.num_models, *names[n]) for n in names):
-            raise ConfigError(f"algorithm.init_path: {path} does not hold {self.num_models} models of this architecture")
-        return tie({n: obj[n].to(torch.float32) for n in names}, self.shared)
+        return ifca_init.input_files(self.cfg)
 
     def init_state(self, ctx: RunContext) -> ServerState:
-        state = super().init_state(ctx)
-        a = self.cfg.algorithm
-        if a.init == "given":
-            return state.replace(models=self.given_models(ctx))
-        models = self.random_models(ctx)  # pretrain_kmeans: model 0 is the shared start θ_0
-        if a.init == "balanced_restart":
-            cohort = self.select(state, ctx, 0)
-            for attempt in range(a.max_tries):
-                models = self.random_models(ctx, attempt)
-                counts = np.bincount(assign_by_min_loss(cluster_losses(state.replace(models=models), ctx, cohort)),
-                                     minlength=self.num_models)
-                if counts.min() >= a.min_cluster_frac * len(cohort):
-                    break
-            state = state.replace(meta={**state.meta, "init_attempts": attempt + 1})
-        return state.replace(models=models)
-
-    def pretrain_cohort(self, ctx: RunContext) -> np.ndarray:
-        """The clients that pre-train: ``pretrain_clients`` (default max(cohort, 20·k), at
-        most every federating client) drawn from the (seed, "pretrain_clients") stream."""
-        a, seen = self.cfg.algorithm, ctx.seen
-        # k=auto: k unknown, so every federating client's evidence (or the given number)
-        default = len(seen) if is_auto(a.k) else max(self.cfg.train.clients_per_round, 20 * a.k)
-        want = a.pretrain_clients if a.pretrain_clients is not None else default
-        count = min(want, len(seen))
-        if not is_auto(a.k) and count < a.k:
-            raise ConfigError(f"algorithm.pretrain_clients: only {count} clients can pre-train, fewer than k={a.k}")
-        if count == len(seen):
-            return seen.copy()
-        return np.sort(np_rng(ctx.seed, purpose="pretrain_clients").choice(seen, size=count, replace=False)).astype(np.int64)
+        return ifca_init.initial_state(self.cfg, ctx, super().init_state(ctx), self.num_models, self.shared, self.select)
 
     def pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
         """init=pretrain_kmeans: one pre-training pass from θ_0, k-means++ on the updates, and
-        every cluster model starts at its members' mean trained model."""
-        a = self.cfg.algorithm
-        theta0 = {k: v[0].clone() for k, v in state.models.items()}
-        clients = self.pretrain_cohort(ctx)
-        epochs = a.pretrain_epochs if a.pretrain_epochs is not None else self.cfg.train.local_epochs
-        res = train_from(ctx, state, theta0, clients, epochs=epochs, stream="pretrain")
-        # the updates Δ_i = θ_0 − θ_i, one float64 block per parameter (per weight tensor for ``layers``)
-        names = list(theta0)
-        if a.pretrain_embedding == "layers":
-            names = [n for n in names if theta0[n].dim() >= 2] or names
-        blocks = [flatten({n: theta0[n][None]}).double().cpu() - flatten({n: res.params[n]}).double().cpu() for n in names]
-        if is_auto(a.k):
-            choice = self.auto_k(blocks, ctx.seed)
-            k = choice.k
-            labels = choice.labels
-            state = recorded(state, choice, "algorithm.k", self.name, -1, log=False, embedding=a.pretrain_embedding)
-            models = {n: v[:1].expand(k, *v.shape[1:]).clone() for n, v in state.models.items()}
-        else:
-            k = a.k
-            labels = clustering.kmeans_labels(clustering.update_embedding(blocks, a.pretrain_embedding, k), k, ctx.seed)
-            models = {n: v.clone() for n, v in state.models.items()}
-        for j in range(k):
-            members = np.flatnonzero(labels == j)
-            if len(members) == 0:  # fewer distinct updates than k: this model keeps its random draw
-                continue
-            mean = weighted_mean(rows(res.params, members), self.weights(res, members))
-            for n in models:
-                models[n][j] = mean[n]
-        if self.shared:
-            everyone = weighted_mean({k: res.params[k] for k in self.shared}, self.weights(res, np.arange(len(clients))))
-            models = tie(models, self.shared, everyone)
-        assignments = state.assignments.copy()
-        assignments[clients] = labels
-        state = state.replace(models=models, assignments=assignments, algo={
-            **state.algo, "pretrain_clients": torch.from_numpy(clients), "pretrain_labels": torch.from_numpy(labels)})
+        every cluster model starts at its members' mean trained model; each pre-training client
+        uploads one model and receives one."""
+        state, clients = ifca_init.pretrain_kmeans(self.cfg, ctx, state, self.shared, self.name)
         per_model = self.model_bytes(state)
-        return state.replace(meta={**state.meta, "pretrain_cluster_sizes": np.bincount(labels, minlength=k).tolist(),
-                                   "pre_federation_bytes": {"up": len(clients) * per_model, "down": len(clients) * per_model}})
+        return state.replace(meta={**state.meta, "pre_federation_bytes": {"up": clients * per_model,
+                                                                           "down": clients * per_model}})
 
-    def auto_k(self, blocks: list[torch.Tensor], seed: int) -> Choice:
-        """k=auto: k-means of the embedding at each k (with ``edc``, whose embedding depends on k,
-        each k's EDC k-means), scored on the cosine distances of the updates Δ_i, one measure for
-        every embedding (the ``layers`` embedding's own Euclidean distances put rotated digits'
-        four groups at 0.23, under the floor; the updates' cosines at 0.44)."""
-        how = self.cfg.algorithm.pretrain_embedding
-        updates = torch.cat(blocks, 1).numpy()
-        if how != "edc":
-            return choose_kmeans(clustering.update_embedding(blocks, how, 1), seed, dist=cosine_distance(updates))
-        return choose_kmeans(updates, seed, dist=cosine_distance(updates), partition=lambda rows, k: clustering.kmeans_labels(
-            clustering.edc_embedding(updates[rows], k), k, seed))
+    def draw_model(self, ctx: RunContext, g: torch.Generator) -> dict[str, torch.Tensor]:
+        """One random model (DIFCA's reference_li draws every client's copies with it)."""
+        return ifca_init.draw_model(self.cfg, ctx, g)
 
-    # ------------------------------------------------------------------ hooks
-    def local_spec(self, state: ServerState, ctx: RunContext, clients: np.ndarray, round: int) -> LocalSpec:
-        losses = cluster_losses(state, ctx, clients)
-        chosen = assign_by_min_loss(losses)
-        t = self.cfg.train
-        init = index_params(state.models, torch.from_numpy(chosen))
-        if self.option == "gradient":
-            return LocalSpec(clients, init, t.lr, epochs=1, steps=1, full_batch=True,
-                             meta={"model_of_client": chosen, "cluster_losses": losses})
-        return round_spec(t, clients, init, meta={"model_of_client": chosen, "cluster_losses": losses},
-                          client_epochs=self.local_work(ctx, clients, round))
+    def random_models(self, ctx: RunContext, attempt: int = 0) -> dict[str, torch.Tensor]:
+        """The k random draws of restart ``attempt`` (model 0's shared parameters tied)."""
+        return ifca_init.random_models(self.cfg, ctx, self.num_models, self.shared, attempt)
 
-    def aggregate(self, state, ctx, spec, result, assign):
-        if self.option == "model":
-            new = super().aggregate(state, ctx, spec, result, assign)
-        else:
-            new = self._with_assignments(state, self.gradient_step(state, result, assign, len(ctx.seen)),
-                                         result.clients, assign)
-        if not self.shared:
-            return new
-        # shared parameters: one aggregate over every participant (cluster = "all")
-        everyone = np.zeros(len(result.clients), np.int64)
-        one = {k: state.models[k][:1] for k in self.shared}
-        if self.option == "model":
-            value = weighted_mean({k: result.params[k] for k in self.shared}, self.weights(result, np.arange(len(everyone))))
-        else:
-            value = {k: v[0] for k, v in self.gradient_step(state.replace(models=one), result, everyone,
-                                                              len(ctx.seen), self.shared).items()}
-        return new.replace(models=tie(new.models, self.shared, value))
-
-    def gradient_step(self, state, result, assign, m, names=None) -> dict[str, torch.Tensor]:
-        """Option I: θ_j ← θ_j − (1/m) Σ_{i: ĵ=j} (θ_j − θ̃_i), where θ_j − θ̃_i = γ g_i and m is
-        the number of workers that federate (``len(ctx.seen)``)."""
-        names = list(state.models) if names is None else names
-        models = {k: state.models[k].clone() for k in names}
-        for j in range(state.models[names[0]].shape[0]):
-            members = torch.from_numpy(np.flatnonzero(assign == j))
-            if len(members) == 0:
-                continue
-            for k in names:
-                step = (state.models[k][j].unsqueeze(0) - result.params[k][members]).sum(0)
-                models[k][j] = state.models[k][j] - step / m
-        return models
-
+    # ------------------------------------------------------------------ evaluation and accounting
     def eval_assignment(self, state: ServerState, ctx: RunContext) -> np.ndarray:
         return assign_by_min_loss(cluster_losses(state, ctx, np.arange(ctx.num_clients)))
 
