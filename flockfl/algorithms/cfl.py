@@ -1,9 +1,9 @@
-"""CFL — Sattler, Müller, Samek, "Clustered Federated Learning: Model-Agnostic Distributed
-Multitask Optimization Under Privacy Constraints", IEEE TNNLS 32(8) 2021, arXiv 1910.01991
-(official code felisat/clustered-federated-learning; spec ``personalised-baselines.md`` §2).
+"""CFL — Sattler, Müller, Samek, "Clustered Federated Learning: Model-Agnostic Distributed Multitask
+Optimization Under Privacy Constraints", IEEE TNNLS 32(8) 2021, arXiv 1910.01991 (official code
+felisat/clustered-federated-learning; spec ``personalised-baselines.md`` §2).
 
-FedAvg runs inside each cluster c (one model θ_c per cluster; every client is in exactly one
-cluster, all start in cluster 0). Every round the server forms each trained client's update
+FedAvg runs inside each cluster c (one model θ_c per cluster; every client is in exactly one cluster, all
+start in cluster 0). Every round the server forms each trained client's update
 
     Δθ_i = SGD_n(θ_c(i), D_i) − θ_c(i)      (flattened trainable parameters, no BN statistics)
 
@@ -21,67 +21,91 @@ exact) with ``linkage=single``; the code's complete linkage on −α with ``link
 
     γ_max < sqrt((1 − α_cross^max) / 2),    α_cross^max = max_{i∈c₁, j∈c₂} α_ij,
 
-γ_max bounding the relative error ‖∇r_i − ∇R_k(i)‖ ≤ γ‖∇r_i‖. The code and the PACFL thesis
-(ε₁ = 0.4, ε₂ = 1.6, also the code's) have no γ check: ``gamma_max=null`` (default) skips it.
-The paper gives no per-experiment ε₁, ε₂, γ_max. c₁ keeps the index of c and c₂ takes the next
-free one (one more model per split); both start from θ_c and take this round's FedAvg of their
-own members (the code splits, then aggregates cluster-wise). Clusters never merge: the splits
-form a binary tree.
+γ_max bounding the relative error ‖∇r_i − ∇R_k(i)‖ ≤ γ‖∇r_i‖. The code and the PACFL thesis (ε₁ = 0.4,
+ε₂ = 1.6, also the code's) have no γ check: ``gamma_max=null`` (default) skips it. The paper gives no
+per-experiment ε₁, ε₂, γ_max. c₁ keeps the index of c and c₂ takes the next free one (one more model per
+split); both start from θ_c and take this round's FedAvg of their own members (the code splits, then
+aggregates cluster-wise). Clusters never merge: the splits form a binary tree.
 
-Partial participation (the paper and the code train every client every round): a member of a
-split cluster that did not train this round has no update to place it by; it stays in c₁ and is
-counted (``cfl_unplaced``). Newcomers (``partition.unseen_fraction``) join the cluster whose
-model has the lowest loss on their training data. Evaluation gives every client its cluster's
-model (the thesis).
+Partial participation (the paper and the code train every client every round): a member of a split cluster
+that did not train this round has no update to place it by; it stays in c₁ and is counted (``cfl_unplaced``).
+Newcomers (``partition.unseen_fraction``) join the cluster whose model has the lowest loss on their training
+data. Evaluation gives every client its cluster's model (the thesis).
 
-State: ``algo['cfl_parent']`` (each cluster's parent, −1 for the root), ``algo['cfl_born']``
-(the round of the split that made it, −1 for the root) and ``meta['cfl_splits']``, one record
-per split (round, parent, children, their sizes, ‖mean Δθ‖, max ‖Δθ_i‖, α_cross^max, the
-smallest α inside either child, the γ bound). Each history row gets ``cfl_splits``,
-``cfl_clusters``, ``cfl_mean_update_norm`` (the largest ‖mean Δθ‖ over the clusters that
-trained: < ε₁ means all are stationary), ``cfl_max_update_norm`` (the largest ‖Δθ_i‖),
-``cfl_refused`` (splits the γ check refused) and ``cfl_unplaced``.
+State: ``algo['cfl_parent']`` (each cluster's parent, −1 for the root), ``algo['cfl_born']`` (the round of
+the split that made it, −1 for the root) and ``meta['cfl_splits']``, one record per split (round, parent,
+children, their sizes, ‖mean Δθ‖, max ‖Δθ_i‖, α_cross^max, the smallest α inside either child, the γ bound).
+Each history row gets ``cfl_splits``, ``cfl_clusters``, ``cfl_mean_update_norm`` (the largest ‖mean Δθ‖
+over the clusters that trained: < ε₁ means all are stationary), ``cfl_max_update_norm`` (the largest
+‖Δθ_i‖), ``cfl_refused`` (splits the γ check refused) and ``cfl_unplaced``.
 
-``update_pool=stale_all`` (the registry's ``cfl-pacfl``: the PACFL thesis's CFL code,
-MMorafah/PACFL ``main_cfl.py``) runs the norms, the similarities and the aggregation over *every*
-member of a cluster, each with its latest Δθ_i: this round's if it trained, else the one it sent
-when it last trained (kept per client in a :class:`~flockfl.clientstate.ClientTable`,
-``state.algo['cfl_delta']``), zero if it never trained. The cluster model takes
-θ_c ← θ_c + Σ_{i∈c} p_i Δθ_i every round, so a stale update is applied again each round until its
-client trains again (the thesis's CFL ≈ FedAvg; the spec says not to "fix" it). BN statistics
-(not compared, not in Δθ) take the participants' mean as in FedAvg. A split places every member,
-trained or not, by its Δθ; the thesis code's 0-based ``iteration > 20`` is ``warmup_rounds=21``.
+``update_pool=stale_all`` (the registry's ``cfl-pacfl``: the PACFL thesis's CFL code, MMorafah/PACFL
+``main_cfl.py``) runs the norms, the similarities and the aggregation over *every* member of a cluster, each
+with its latest Δθ_i: this round's if it trained, else the one it sent when it last trained (kept per client
+in a :class:`~flockfl.clientstate.ClientTable`, ``state.algo['cfl_delta']``), zero if it never trained. The
+cluster model takes θ_c ← θ_c + Σ_{i∈c} p_i Δθ_i every round, so a stale update is applied again each round
+until its client trains again (the thesis's CFL ≈ FedAvg; the spec says not to "fix" it). BN statistics (not
+compared, not in Δθ) take the participants' mean as in FedAvg. A split places every member, trained or not, by
+its Δθ; the thesis code's 0-based ``iteration > 20`` is ``warmup_rounds=21``.
 
-The notebook's persistent client optimisers (momentum across rounds) are
-``train.optimizer_state=persist`` with ``train.momentum``. Not modelled: its model cache at splits
-with best-cached-model evaluation.
+The notebook's persistent client optimisers (momentum across rounds) are ``train.optimizer_state=persist``
+with ``train.momentum``. Not modelled: its model cache at splits with best-cached-model evaluation.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
 from flockfl.aggregation import flatten, mean_weights, unflatten, weighted_mean
-from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.auto import confirmed, memory, recorded
+from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, integer, is_auto, real, sourced_each, weighting
-from flockfl.clustering.choose import choose_cut
 from flockfl.algorithms.model_choice import assign_by_min_loss, cluster_losses
 from flockfl.clientstate import ClientTable
 from flockfl.clustering.bipartition import bipartition, cosine_similarities, cross_max, gamma_bound, intra_min
+from flockfl.clustering.choose import NESTED, choose_cut
 from flockfl.engine.functional import index_params
 from flockfl.engine.trainers import stat_names
 from flockfl.state import ServerState, log_round
 
 
 class CFL(Algorithm):
+    """Each client trains its cluster's model; the server splits the clusters that pass the tests, then runs
+    FedAvg inside every cluster. The split is in ``aggregate``, not the ``cluster`` hook: it must see the updates
+    as sent, after the stages' ``before_aggregate`` (the pruning stage's fill, which indexes models by cluster)."""
+
     name = "cfl"
     family = "clustered"
     paper = ("Sattler, Müller, Samek, Clustered Federated Learning: Model-Agnostic Distributed Multitask Optimization "
              "under Privacy Constraints, IEEE TNNLS 2021, arXiv 1910.01991")
+
+    def model_of(self, state, ctx, clients):
+        return state.assignments[clients]  # θ_c(i), the model of the client's cluster
+
+    def aggregate(self, state: ServerState, ctx, spec, result, assign) -> ServerState:
+        """Δθ_i of the pool, every cluster tested (a)–(c) and split where it passes (and the γ
+        check), then FedAvg inside every cluster, the new ones included."""
+        a, names = self.cfg.algorithm, self.trainable(ctx)
+        pool = (stale_all if a.update_pool == "stale_all" else participants)(self, names, state, ctx, result, assign)
+        test = AutoTest(state, a.linkage) if is_auto(a.eps1) else NormTest(a.eps1, a.eps2)
+        tree = split_clusters(state, pool, test, a)
+        grown = tree.grow(state)  # each new cluster starts from its parent's model
+        new = super().aggregate(grown, ctx, spec, result, tree.assign[pool.rows])  # the participants' FedAvg
+        if pool.table is not None:  # stale_all: the trainable parameters take every member's latest Δθ_i
+            new = stale_step(new, grown, pool, tree.assign, names)
+        return finish(new, state, pool, tree, test, self.name)
+
+    def eval_assignment(self, state, ctx):
+        return state.assignments
+
+    def admit_newcomers(self, state, ctx, newcomers):
+        """A newcomer joins the cluster whose model has the lowest loss on its training data."""
+        return state, assign_by_min_loss(cluster_losses(state, ctx, newcomers)), "the lowest-loss cluster model"
+
     hyperparameters = (
         replace(weighting("uniform", source="code", note="felisat/clustered-federated-learning: every member's copy "
                                                          "gets the unweighted mean of the cluster's Δθ_i"),
@@ -122,7 +146,6 @@ class CFL(Algorithm):
             raise ValueError(f"algorithm.eps1/eps2: auto replaces both norm tests by one silhouette test, so set both to "
                              f"auto or neither (given eps1={a.eps1}, eps2={a.eps2})")
 
-    # ------------------------------------------------------------------ state
     def init_state(self, ctx):
         state = super().init_state(ctx)
         root = torch.tensor([-1], dtype=torch.int64)
@@ -137,115 +160,194 @@ class CFL(Algorithm):
         frozen = set(stat_names(ctx.model))
         return [n for n, _ in ctx.model.named_parameters() if n not in frozen]
 
-    # ------------------------------------------------------------------ hooks
-    def model_of(self, state, ctx, clients):
-        return state.assignments[clients]
 
-    def eval_assignment(self, state, ctx):
-        return state.assignments
+@dataclass(frozen=True)
+class Updates:
+    """The pool's clients, their clusters before the split, their Δθ_i (float64, CPU) and p_i."""
 
-    def aggregate(self, state: ServerState, ctx, spec, result, assign) -> ServerState:
-        """Test every cluster (a)–(c), split those that pass (and the γ check), then FedAvg
-        inside every cluster, the new ones included (with ``stale_all``: over every member)."""
-        a = self.cfg.algorithm
-        names = self.trainable(ctx)
-        start = index_params({k: state.models[k] for k in names}, torch.from_numpy(assign))
-        fresh = flatten(result.params, names) - flatten(start, names)
-        stale = a.update_pool == "stale_all"
-        if stale:  # the pool is every federating client, each with its latest Δθ (zero if it never trained)
-            table = state.algo["cfl_delta"].scatter(result.clients, {"d": fresh.float().cpu()})
-            pool = ctx.seen
-            current = state.assignments.copy()
-            current[result.clients] = assign
-            pool_assign, delta = current[pool], table.gather(pool)["d"].double()
-            sizes = ctx.data.train.sizes[pool]
-            weights_of = lambda members: mean_weights(sizes[members], a.weighting)  # noqa: E731
-        else:
-            pool, pool_assign, delta = result.clients, assign, fresh.double().cpu()
-            weights_of = lambda members: self.weights(result, members)  # noqa: E731
-        norms = torch.linalg.vector_norm(delta, dim=1).numpy()
-        parent, born = state.algo["cfl_parent"].tolist(), state.algo["cfl_born"].tolist()
-        new_assign, records = pool_assign.copy(), []
-        worst, refused, unplaced = 0.0, 0, 0
-        auto_split, decisions = is_auto(a.eps1), []
-        last, now = dict(state.meta.get("cfl_auto_last", {})), {}
-        found = dict(state.meta.get("cfl_auto_groups", {}))  # cluster → the groups a confirmed test saw in it
-        for c in range(state.k):
-            members = np.flatnonzero(pool_assign == c)
-            if len(members) == 0:
-                continue
-            mean = weighted_mean({"d": delta[members]}, weights_of(members))["d"]
-            mean_norm, max_norm = float(torch.linalg.vector_norm(mean)), float(norms[members].max())
-            worst = max(worst, mean_norm)
-            if not (len(members) >= a.min_split_size and state.round + 1 > a.warmup_rounds
-                    and (auto_split or (mean_norm < a.eps1 and max_norm > a.eps2))):
-                continue
-            sim = cosine_similarities(delta[members].numpy())
-            if auto_split:  # split iff the same structure shows in two consecutive tests (see auto_split_test)
-                choice, stable = auto_split_test(sim, a.linkage, pool[members], last.get(str(c)), state.round,
-                                                 found.get(str(c)) == 1)
-                decisions.append((choice, c, len(members), stable))
-                now[str(c)] = memory(choice, pool[members], state.round)
-                if choice.k < 2 or not stable:
-                    continue
-            labels = bipartition(sim, a.linkage)
-            cross = cross_max(sim, labels)
-            if a.gamma_max is not None and not a.gamma_max < gamma_bound(cross):
-                refused += 1
-                continue
-            child = len(parent)
-            parent.append(c)
-            born.append(state.round)
-            new_assign[members[labels == 1]] = child
-            if auto_split:  # how many of the test's groups each half holds (1: a group found; see auto_split_test)
-                found[str(c)] = len(np.unique(choice.labels[labels == 0]))
-                found[str(child)] = len(np.unique(choice.labels[labels == 1]))
-            absent = [] if stale else np.setdiff1d(ctx.seen[state.assignments[ctx.seen] == c], result.clients)
-            unplaced += len(absent)
-            records.append({"round": int(state.round), "parent": c, "children": [c, child],
-                            "sizes": [int((labels == 0).sum() + len(absent)), int((labels == 1).sum())],
-                            "mean_update_norm": mean_norm, "max_update_norm": max_norm, "alpha_cross_max": cross,
-                            "alpha_intra_min": intra_min(sim, labels), "gamma_bound": gamma_bound(cross)})
-        grown = state
-        if records:  # each new cluster starts from its parent's model
-            src = torch.tensor(parent[state.k:], dtype=torch.int64)
-            grown = state.replace(models={k: torch.cat([v, v[src.to(v.device)]]) for k, v in state.models.items()})
-        algo = {**state.algo, "cfl_parent": torch.tensor(parent, dtype=torch.int64),
-                "cfl_born": torch.tensor(born, dtype=torch.int64)}
-        if stale:
-            trained = new_assign[np.searchsorted(pool, result.clients)]
-            new = super().aggregate(grown, ctx, spec, result, trained)  # BN statistics: the participants' mean
-            models = dict(new.models)
-            for j in range(new.k):  # θ_j ← θ_j + Σ p_i Δθ_i over every member, stale updates included
-                members = np.flatnonzero(new_assign == j)
-                if len(members) == 0:
-                    continue
-                step = weighted_mean({"d": delta[members]}, weights_of(members))["d"]
-                base = {n: grown.models[n][j] for n in names}
-                moved = unflatten(flatten(base, names, lead=0) + step.to(flatten(base, names, lead=0)), base, lead=0)
-                for n in names:
-                    models[n] = models[n].clone() if models[n] is new.models[n] else models[n]
-                    models[n][j] = moved[n]
-            assignments = new.assignments.copy()
-            assignments[pool] = new_assign
-            new = new.replace(models=models, assignments=assignments)
-            algo["cfl_delta"] = table
-        else:
-            new = super().aggregate(grown, ctx, spec, result, new_assign)
-        new = new.replace(algo=algo, meta={**state.meta, "cfl_splits": list(state.meta.get("cfl_splits", [])) + records})
-        for choice, c, size, stable in decisions:  # the evidence of each auto split test
-            new = recorded(new, choice, "algorithm.eps1", self.name, state.round, log=False, cluster=c, members=size,
-                           confirmed=bool(stable and choice.k > 1))
-        if auto_split:
-            new = new.replace(meta={**new.meta, "cfl_auto_last": now, "cfl_auto_groups": found})
-            log_round(new, auto_tests=len(decisions), auto_splits=sum(st and ch.k > 1 for ch, _, _, st in decisions))
-        log_round(new, cfl_splits=len(records), cfl_clusters=new.k, cfl_mean_update_norm=worst,
-                  cfl_max_update_norm=float(norms.max()), cfl_refused=refused, cfl_unplaced=unplaced)
-        return new
+    clients: np.ndarray
+    assign: np.ndarray
+    delta: torch.Tensor
+    weights: Callable[[np.ndarray], torch.Tensor]
+    rows: np.ndarray  # where this round's trained clients are in the pool
+    idle: np.ndarray  # the cluster of each federating client without an update (it stays in c₁ at a split)
+    table: Optional[ClientTable] = None  # stale_all: every client's latest Δθ_i
 
-    def admit_newcomers(self, state, ctx, newcomers):
-        """A newcomer joins the cluster whose model has the lowest loss on its training data."""
-        return state, assign_by_min_loss(cluster_losses(state, ctx, newcomers)), "the lowest-loss cluster model"
+
+def fresh_updates(names: list[str], state: ServerState, result, assign: np.ndarray) -> torch.Tensor:
+    """Δθ_i = SGD_n(θ_c(i), D_i) − θ_c(i), one row per trained client."""
+    start = index_params({k: state.models[k] for k in names}, torch.from_numpy(assign))
+    return flatten(result.params, names) - flatten(start, names)
+
+
+def participants(alg: CFL, names, state, ctx, result, assign) -> Updates:
+    """This round's participants (the paper, the code)."""
+    idle = state.assignments[np.setdiff1d(ctx.seen, result.clients)]
+    return Updates(result.clients, assign, fresh_updates(names, state, result, assign).double().cpu(),
+                   lambda members: alg.weights(result, members), np.arange(len(result.clients)), idle)
+
+
+def stale_all(alg: CFL, names, state, ctx, result, assign) -> Updates:
+    """Every federating client with its latest, possibly stale, Δθ_i (cfl-pacfl)."""
+    fresh = fresh_updates(names, state, result, assign).float().cpu()
+    table = state.algo["cfl_delta"].scatter(result.clients, {"d": fresh})
+    pool, sizes, current = ctx.seen, ctx.data.train.sizes[ctx.seen], state.assignments.copy()
+    current[result.clients] = assign
+    return Updates(pool, current[pool], table.gather(pool)["d"].double(),
+                   lambda members: mean_weights(sizes[members], alg.weighting), np.searchsorted(pool, result.clients),
+                   np.zeros(0, np.int64), table)
+
+
+def mean_update(pool: Updates, members: np.ndarray) -> torch.Tensor:
+    return weighted_mean({"d": pool.delta[members]}, pool.weights(members))["d"]  # Σ_{i∈c} p_i Δθ_i
+
+
+@dataclass
+class Split:
+    """A round's splits: the pool's clusters after them, the tree, the records and the round's counts."""
+
+    assign: np.ndarray
+    parent: list[int]
+    born: list[int]
+    max_norm: float  # the largest ‖Δθ_i‖ in the pool
+    records: list[dict] = field(default_factory=list)
+    worst: float = 0.0  # the largest ‖mean Δθ‖
+    refused: int = 0
+    unplaced: int = 0
+
+    def grow(self, state: ServerState) -> ServerState:
+        """The state with one more model per split, a copy of its parent's."""
+        if not self.records:
+            return state
+        src = torch.tensor(self.parent[state.k:], dtype=torch.int64)
+        return state.replace(models={k: torch.cat([v, v[src.to(v.device)]]) for k, v in state.models.items()})
+
+
+class NormTest:
+    """(a) stationarity and (b) divergence (the paper, the code); the auto test's other hooks do nothing."""
+
+    def __init__(self, eps1: float, eps2: float):
+        self.eps1, self.eps2 = eps1, eps2
+
+    def should_split(self, mean_norm: float, max_norm: float) -> bool:
+        return mean_norm < self.eps1 and max_norm > self.eps2
+
+    def confirms(self, sim: np.ndarray, c: int, clients: np.ndarray) -> bool:
+        return True
+
+    def split(self, c: int, child: int, labels: np.ndarray) -> None:
+        pass
+
+    def record(self, state: ServerState, name: str, round: int) -> ServerState:
+        return state
+
+
+def split_clusters(state: ServerState, pool: Updates, test, a) -> Split:
+    """Every cluster with updates, split where (c), the size and ``test`` allow."""
+    norms = torch.linalg.vector_norm(pool.delta, dim=1).numpy()
+    tree = Split(pool.assign.copy(), state.algo["cfl_parent"].tolist(), state.algo["cfl_born"].tolist(),
+                 float(norms.max()))
+    for c in range(state.k):
+        members = np.flatnonzero(pool.assign == c)
+        if len(members) == 0:
+            continue
+        mean_norm, max_norm = float(torch.linalg.vector_norm(mean_update(pool, members))), float(norms[members].max())
+        tree.worst = max(tree.worst, mean_norm)
+        if (len(members) >= a.min_split_size and state.round + 1 > a.warmup_rounds
+                and test.should_split(mean_norm, max_norm)):
+            split_cluster(tree, state.round, c, members, pool, test, a, mean_norm, max_norm)
+    return tree
+
+
+def split_cluster(tree: Split, round: int, c: int, members: np.ndarray, pool: Updates, test, a, mean_norm: float,
+                  max_norm: float) -> None:
+    """c bi-partitioned by its members' α_ij, unless the auto test or the γ check says no."""
+    sim = cosine_similarities(pool.delta[members].numpy())
+    if not test.confirms(sim, c, pool.clients[members]):
+        return
+    labels = bipartition(sim, a.linkage)
+    cross = cross_max(sim, labels)
+    if a.gamma_max is not None and not a.gamma_max < gamma_bound(cross):
+        tree.refused += 1
+        return
+    child = len(tree.parent)
+    tree.parent.append(c)
+    tree.born.append(round)
+    tree.assign[members[labels == 1]] = child
+    test.split(c, child, labels)
+    absent = int(np.sum(pool.idle == c))
+    tree.unplaced += absent
+    tree.records.append({"round": int(round), "parent": c, "children": [c, child],
+                         "sizes": [int((labels == 0).sum() + absent), int((labels == 1).sum())],
+                         "mean_update_norm": mean_norm, "max_update_norm": max_norm, "alpha_cross_max": cross,
+                         "alpha_intra_min": intra_min(sim, labels), "gamma_bound": gamma_bound(cross)})
+
+
+def stale_step(new: ServerState, grown: ServerState, pool: Updates, assign: np.ndarray, names: list) -> ServerState:
+    """θ_j ← θ_j + Σ_{i∈j} p_i Δθ_i over every member of j; every member moves to its cluster after the split."""
+    models = dict(new.models)
+    for j in range(new.k):
+        members = np.flatnonzero(assign == j)
+        if len(members) == 0:
+            continue
+        step = mean_update(pool, members)
+        base = {n: grown.models[n][j] for n in names}
+        moved = unflatten(flatten(base, names, lead=0) + step.to(flatten(base, names, lead=0)), base, lead=0)
+        for n in names:
+            models[n] = models[n].clone() if models[n] is new.models[n] else models[n]
+            models[n][j] = moved[n]
+    assignments = new.assignments.copy()
+    assignments[pool.clients] = assign
+    return new.replace(models=models, assignments=assignments)
+
+
+def finish(new: ServerState, state: ServerState, pool: Updates, tree: Split, test, name: str) -> ServerState:
+    """The tree, the stale updates, the split records and the round's counts kept."""
+    algo = {**state.algo, "cfl_parent": torch.tensor(tree.parent, dtype=torch.int64),
+            "cfl_born": torch.tensor(tree.born, dtype=torch.int64)}
+    if pool.table is not None:
+        algo["cfl_delta"] = pool.table
+    splits = list(state.meta.get("cfl_splits", [])) + tree.records
+    new = new.replace(algo=algo, meta={**state.meta, "cfl_splits": splits})
+    new = test.record(new, name, state.round)
+    log_round(new, cfl_splits=len(tree.records), cfl_clusters=new.k, cfl_mean_update_norm=tree.worst,
+              cfl_max_update_norm=tree.max_norm, cfl_refused=tree.refused, cfl_unplaced=tree.unplaced)
+    return new
+
+
+class AutoTest:
+    """(a) and (b) replaced by :func:`auto_split_test`, confirmed by the round before; one round's
+    tests, what each saw (``cfl_auto_last``) and the groups each half of a split holds (``cfl_auto_groups``)."""
+
+    def __init__(self, state: ServerState, linkage: str):
+        self.round, self.linkage = state.round, linkage
+        self.last = dict(state.meta.get("cfl_auto_last", {}))
+        self.found = dict(state.meta.get("cfl_auto_groups", {}))  # cluster → the groups a confirmed test saw in it
+        self.now, self.decisions = {}, []  # decisions: (choice, cluster, members, confirmed by the round before)
+
+    def should_split(self, mean_norm: float, max_norm: float) -> bool:
+        return True
+
+    def confirms(self, sim: np.ndarray, c: int, clients: np.ndarray) -> bool:
+        choice, stable = auto_split_test(sim, self.linkage, clients, self.last.get(str(c)), self.round,
+                                         self.found.get(str(c)) == 1)
+        self.decisions.append((choice, c, len(clients), stable))
+        self.now[str(c)] = memory(choice, clients, self.round)
+        return not (choice.k < 2 or not stable)
+
+    def split(self, c: int, child: int, labels: np.ndarray) -> None:
+        choice = self.decisions[-1][0]  # c's test, just confirmed; 1 group in a half: a group found
+        self.found[str(c)] = len(np.unique(choice.labels[labels == 0]))
+        self.found[str(child)] = len(np.unique(choice.labels[labels == 1]))
+
+    def record(self, state: ServerState, name: str, round: int) -> ServerState:
+        for choice, c, size, stable in self.decisions:  # the evidence of each test
+            state = recorded(state, choice, "algorithm.eps1", name, round, log=False, cluster=c, members=size,
+                             confirmed=bool(stable and choice.k > 1))
+        state = state.replace(meta={**state.meta, "cfl_auto_last": self.now, "cfl_auto_groups": self.found})
+        log_round(state, auto_tests=len(self.decisions),
+                  auto_splits=sum(st and ch.k > 1 for ch, _, _, st in self.decisions))
+        return state
 
 
 def auto_split_test(sim: np.ndarray, linkage: str, clients: np.ndarray, last: dict | None, round: int,
@@ -261,8 +363,6 @@ def auto_split_test(sim: np.ndarray, linkage: str, clients: np.ndarray, last: di
     reasonable structure, a mean silhouette above 0.5 (inside one label-swapped group of eight
     digits clients, two clients with their own quirks score 0.25–0.27 round after round).
     Returns (the choice, whether it is confirmed)."""
-    from flockfl.clustering.choose import NESTED
-
     choice = choose_cut(1.0 - sim, linkage)
     if one_group and choice.k > 1 and not choice.score > NESTED:
         choice.reason += f"; this cluster is one group already found: a split needs > {NESTED}"
@@ -270,8 +370,7 @@ def auto_split_test(sim: np.ndarray, linkage: str, clients: np.ndarray, last: di
     return choice, confirmed(choice, clients, last, round)
 
 
-# where cfl-pacfl's defaults come from: the thesis's text, or its code (MMorafah/PACFL, which copies felisat's
-# helpers)
+# where cfl-pacfl's defaults come from: the thesis's text, or its code (MMorafah/PACFL, which copies felisat's helpers)
 THESIS_RUN = {
     "weighting": ("code", "MMorafah/PACFL main_cfl.py: felisat's unweighted mean of the cluster's Δθ_i"),
     "eps1": ("thesis", "the thesis's CFL: ε₁ = 0.4 (hard-coded in MMorafah/PACFL main_cfl.py)"),
