@@ -9,11 +9,9 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import torch
 
-from flockfl.config import ExperimentConfig, TrainConfig
-from flockfl.engine import TRAINERS
+from flockfl.config import TrainConfig
 from flockfl.engine.schedule import LocalSpec, LrSchedule, restrict
 from flockfl.engine.trainers import TrainResult
-from flockfl.state import ServerState
 
 if TYPE_CHECKING:
     from flockfl.context import RunContext
@@ -49,23 +47,34 @@ def pass_spec(t: TrainConfig, clients: np.ndarray, init: dict[str, torch.Tensor]
                      **{**optimiser(t), **extra})
 
 
-def run_engine(cfg: ExperimentConfig, state: ServerState) -> str:
-    """The trainer this run uses: the one it chose (``state.meta['engine']``), or the configured
-    one before any round has chosen (auto → vectorized)."""
-    return state.meta.get("engine") or ("vectorized" if cfg.train.engine == "auto" else cfg.train.engine)
+def train_pass(ctx: "RunContext", spec: LocalSpec, round: int) -> TrainResult:
+    """Training outside a round's (pre-training, local ERMs, fine-tuning, newcomers, FedRep's head
+    epochs, FedBABU's and Per-FedAvg's evaluation passes, pruning's fine-tuned evaluation), written
+    once: the run's trainer (``ctx.trainer``), the clients in shards of ``train.shard_size`` (one
+    vectorised batch each, as a round's), each shard tried again up to ``train.max_retries`` times
+    before its error ends the pass (a round drops a client that keeps failing; a pass outside it
+    has no result without that client)."""
+    t, n = ctx.cfg.train, len(spec.clients)
+    parts = []
+    for a in range(0, n, t.shard_size):
+        shard = restrict(spec, slice(a, min(n, a + t.shard_size))) if n > t.shard_size else spec
+        for attempt in range(t.max_retries + 1):
+            try:
+                parts.append(ctx.trainer(ctx.model, shard, ctx.data.train, ctx.data.task, ctx.seed, round))
+                break
+            except Exception:
+                if attempt == t.max_retries:
+                    raise
+    return TrainResult.concat(parts)
 
 
-def train_from(ctx: RunContext, state: ServerState, start: dict[str, torch.Tensor], clients: np.ndarray, *,
+def train_from(ctx: "RunContext", start: dict[str, torch.Tensor], clients: np.ndarray, *,
                epochs: int, steps: Optional[int] = None, round: int = -1, stream: str) -> TrainResult:
     """Plain local SGD (``train.lr``, ``train.batch_size``) of every listed client from one
     model ``start``, outside a round's training (pre-training, local ERMs, newcomers): ``steps``
-    steps, or ``epochs`` epochs when None; sharded like a round (``train.shard_size``); batch
-    orders from the (seed, ``round``, client, ``stream``) streams."""
+    steps, or ``epochs`` epochs when None; batch orders from the (seed, ``round``, client,
+    ``stream``) streams; :func:`train_pass`."""
     t = ctx.cfg.train
     clients = np.asarray(clients, np.int64)
     init = {k: v.unsqueeze(0).expand(len(clients), *v.shape) for k, v in start.items()}
-    spec = pass_spec(t, clients, init, epochs, steps=steps, stream=stream, momentum=t.momentum)
-    trainer = TRAINERS[run_engine(ctx.cfg, state)]
-    return TrainResult.concat([trainer(ctx.model, restrict(spec, slice(a, min(len(clients), a + t.shard_size))),
-                                       ctx.data.train, ctx.data.task, ctx.seed, round)
-                               for a in range(0, len(clients), t.shard_size)])
+    return train_pass(ctx, pass_spec(t, clients, init, epochs, steps=steps, stream=stream, momentum=t.momentum), round)

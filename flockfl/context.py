@@ -1,15 +1,18 @@
 """RunContext: what every hook and stage may read (the config, the model template, the
-client data and the simulated system), the same for every round of a run."""
+client data, the simulated system and the run's trainer). The config, model, system and trainer
+stay the same for a whole run; ``data`` is the current view of the clients' data, which a
+distribution shift changes from round to round (``base_data`` is the data as partitioned)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 from torch import nn
 
 from flockfl.config import ExperimentConfig
+from flockfl.engine import TRAINERS, TrainResult
 from flockfl.engine.data import ClientData
 from flockfl.rng import np_rng
 from flockfl.system import SystemProfile, make_profile
@@ -17,7 +20,7 @@ from flockfl.system import SystemProfile, make_profile
 
 @dataclass
 class RunContext:
-    """What every hook may read: the config, the model template and the client data."""
+    """What every hook may read: the config, the model template, the client data and the trainer."""
 
     cfg: ExperimentConfig
     model: nn.Module
@@ -34,6 +37,9 @@ class RunContext:
     # (``shift.*``, flockfl/stages/shift.py) changes from round to round
     base_data: ClientData = field(init=False)
     data_version: int = field(init=False, default=0)
+    # the trainer this run uses (``train.engine``, or what ``auto`` chose on the first cohort),
+    # set by the driver (``flockfl.rounds.pick_engine``, from the state on resume); read it as ``trainer``
+    engine: Optional[str] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.base_data = self.data
@@ -41,6 +47,13 @@ class RunContext:
             self.system = make_profile(self.cfg.system, self.cfg.seed, self.data.num_clients)
         self.unseen = unseen_clients(self.data.num_clients, self.cfg.partition.unseen_fraction, self.cfg.seed)
         self.seen = np.setdiff1d(np.arange(self.data.num_clients), self.unseen)
+
+    @property
+    def trainer(self) -> Callable[..., TrainResult]:
+        """The run's trainer: the engine the driver chose, or the configured one before any round
+        has chosen (``auto`` → vectorized)."""
+        t = self.cfg.train
+        return TRAINERS[self.engine or ("vectorized" if t.engine == "auto" else t.engine)]
 
     @property
     def seed(self) -> int:

@@ -116,6 +116,18 @@ def _check_registered(cfg: ExperimentConfig) -> None:
     _check_local_optimiser(cfg)
     _check_optimizer_state(cfg, cls)
     _check_test_split(cfg)
+    _check_pruning(cfg, cls)
+
+
+def _check_pruning(cfg: ExperimentConfig, cls: type) -> None:
+    """Sub-FedAvg's server fills each client's pruned entries from its cluster's model
+    (``flockfl/stages/pruning.py``), which a method that regroups its clients every round has not
+    made yet (FLIS-DC: it crashed at the first aggregate)."""
+    if cfg.pruning.method != "none" and not cls.cluster_ids_are_models:
+        raise ValueError(f"pruning.method: Sub-FedAvg fills each client's pruned entries from its cluster's server model, "
+                         f"but algorithm.name={cfg.algorithm.name} forms new clusters from every round's participants, "
+                         "which have no server model yet; use pruning.method=none, or an algorithm with lasting "
+                         "clusters (flis_hc clusters once)")
 
 
 def _check_test_split(cfg: ExperimentConfig) -> None:

@@ -119,20 +119,20 @@ def check_population(cfg: ExperimentConfig, num_clients: int) -> None:
 def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
     """The trainer for this run: the configured one, or (auto) the faster on the first cohort.
 
-    The choice is stored in the state so that a resumed run keeps it (bit-identical)."""
-    if "engine" in state.meta:
-        return state.meta["engine"]
+    The choice is stored in the state so that a resumed run keeps it (bit-identical), and set
+    on the context (``ctx.trainer``) for every pass outside the round's training."""
     cfg = prep.cfg.train
-    if len(spec.clients) == 0:  # nothing to time or train this round; decide on a real cohort
-        return "vectorized" if cfg.engine == "auto" else cfg.engine
+    if "engine" in state.meta or len(spec.clients) == 0:  # an empty cohort: decide on a real one
+        return state.meta.get("engine") or ("vectorized" if cfg.engine == "auto" else cfg.engine)
     if cfg.engine != "auto":
         state.meta["engine"], state.meta["engine_reason"] = cfg.engine, "configured"
-        return cfg.engine
-    shard = split_spec(spec, cfg.shard_size)[0]
-    choice, timings = choose_engine(prep.ctx.model, shard, prep.ctx.data.train, prep.ctx.data.task, prep.cfg.seed)
-    state.meta["engine"] = choice
-    state.meta["engine_reason"] = "auto: " + ", ".join(f"{k}={v:.4f}" for k, v in timings.items())
-    return choice
+    else:
+        choice, timings = choose_engine(prep.ctx.model, split_spec(spec, cfg.shard_size)[0], prep.ctx.data.train,
+                                        prep.ctx.data.task, prep.cfg.seed)
+        state.meta["engine"] = choice
+        state.meta["engine_reason"] = "auto: " + ", ".join(f"{k}={v:.4f}" for k, v in timings.items())
+    prep.ctx.engine = state.meta["engine"]
+    return prep.ctx.engine
 
 
 # ---------------------------------------------------------------------- stages
@@ -239,23 +239,22 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
         st.sync(ctx, state)
     metrics = alg.evaluate(state, ctx)
     last = round + 1 == cfg.train.rounds
-    engine = state.meta.get("engine", "vectorized")
     tune = cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last)
     for st in prep.stages.values():
         metrics.update(st.on_evaluate(prep, state, metrics, round, tune))
     if tune:  # in chunks of train.eval_chunk clients: memory holds one chunk's fine-tuned models
         parts = []
         for part in chunks(ctx.seen, cfg.train.eval_chunk):
-            res = alg.finetune(state, ctx, part, metrics["_assignment"][part], round, engine, "finetune")
+            res = alg.finetune(state, ctx, part, metrics["_assignment"][part], round, "finetune")
             parts.append(measure_own(ctx, res.params, part))
         metrics.update(family(ClientMetrics.join(parts), protocol(ctx), ctx.data.task, "_finetuned"))
     if last and len(ctx.unseen):
-        metrics.update(newcomer_metrics(prep, state, round, engine))
+        metrics.update(newcomer_metrics(prep, state, round))
     maybe_crash("evaluate", round)
     return metrics
 
 
-def newcomer_metrics(prep: PreparedRun, state: ServerState, round: int, engine: str) -> dict[str, Any]:
+def newcomer_metrics(prep: PreparedRun, state: ServerState, round: int) -> dict[str, Any]:
     """Newcomers join by the algorithm's rule, then fine-tune ``train.finetune_epochs``
     epochs: ``unseen_accuracy`` (after fine-tuning, the thesis's metric) and
     ``unseen_accuracy_untuned`` (the model they were given)."""
@@ -263,7 +262,7 @@ def newcomer_metrics(prep: PreparedRun, state: ServerState, round: int, engine: 
     joined, assign, rule = alg.admit_newcomers(state, ctx, ctx.unseen)
     proto, task = protocol(ctx), ctx.data.task
     untuned = measure_shared(ctx, joined.models, assign, ctx.unseen)
-    res = alg.finetune(joined, ctx, ctx.unseen, assign, round, engine, "newcomer")
+    res = alg.finetune(joined, ctx, ctx.unseen, assign, round, "newcomer")
     out = family(measure_own(ctx, res.params, ctx.unseen), proto, task, wrap=lambda k: f"unseen_{k}")
     out.update(family(untuned, proto, task, wrap=lambda k: f"unseen_{k}_untuned"))
     out["_newcomers"] = {"clients": ctx.unseen.tolist(), "clusters": assign.tolist(), "rule": rule,
@@ -369,6 +368,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     runs several), then evaluate. After every cycle but the last, ``on_cycle`` gets a state
     that resumes the round at the next cycle (the flow checkpoints it)."""
     t0 = time.perf_counter()
+    prep.ctx.engine = state.meta.get("engine")  # the trainer chosen in an earlier round (a resumed run's too)
     state = optimizer_state.with_table(prep.cfg, prep.ctx.model, prep.ctx.num_clients, state)
     work = RoundWork(**state.meta.get("partial_round", {}))
     cycles = prep.algorithm.cycles_per_round(state, prep.ctx)

@@ -213,3 +213,60 @@ def test_whole_rounds_agree_between_engines(algo):
     ref, vec = states["reference"], states["vectorized"]
     assert rel_err(vec.models, ref.models) < 1e-5
     np.testing.assert_array_equal(vec.assignments, ref.assignments)
+
+
+def test_the_trainer_is_set_once_on_the_context_and_kept_by_a_resumed_run(tmp_path):
+    """``ctx.trainer`` (every pass outside a round: fine-tuning, newcomers, FedRep's head
+    epochs, pre-training) is the engine the first round chose; a resumed run takes it from the
+    state before its first pass, whatever a probe would say now."""
+    from conftest import tiny_config
+
+    from flockfl.engine import TRAINERS
+    from flockfl.experiments import validate
+    from flockfl.rounds import drive_round, prepare, run_rounds
+
+    cfg = validate(tiny_config(train={"engine": "auto", "rounds": 2}))
+    prep = prepare(cfg, tmp_path)
+    assert prep.ctx.engine is None and prep.ctx.trainer is TRAINERS["vectorized"]  # before any round chose
+    state = run_rounds(prep, until=1)
+    assert prep.ctx.engine == state.meta["engine"] and prep.ctx.trainer is TRAINERS[state.meta["engine"]]
+    other = "reference" if state.meta["engine"] == "vectorized" else "vectorized"
+    fresh = prepare(cfg, tmp_path)
+    drive_round(fresh, state.replace(meta={**state.meta, "engine": other}), 1)
+    assert fresh.ctx.engine == other and fresh.ctx.trainer is TRAINERS[other]
+
+
+def test_a_pass_outside_the_round_is_sharded_and_retried_like_a_round(tmp_path, monkeypatch):
+    """``train_pass``: shards of ``train.shard_size`` clients give the same models as one batch;
+    a shard that raises once is tried again (``train.max_retries``), one that keeps raising ends
+    the pass with its error."""
+    from flockfl import context
+    from flockfl.client import pass_spec, train_pass
+    from flockfl.rounds import prepare
+
+    prep = prepare(validate(tiny_config(train={"shard_size": 3, "max_retries": 1})), tmp_path)
+    ctx, t = prep.ctx, prep.cfg.train
+    state = prep.algorithm.init_state(ctx)
+    clients = np.arange(8)
+    init = {k: v[:1].expand(8, *v.shape[1:]) for k, v in state.models.items()}
+    spec = pass_spec(t, clients, init, 1, stream="finetune")
+    whole = ctx.trainer(ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, 0)
+    sizes, fails = [], {"left": 1}
+    real = context.TRAINERS["vectorized"]
+
+    def flaky(model, shard, *a):
+        sizes.append(len(shard.clients))
+        if fails["left"]:
+            fails["left"] -= 1
+            raise RuntimeError("transient")
+        return real(model, shard, *a)
+
+    monkeypatch.setitem(context.TRAINERS, "vectorized", flaky)
+    out = train_pass(ctx, spec, 0)
+    assert sizes == [3, 3, 3, 2]  # the first shard tried twice
+    np.testing.assert_array_equal(out.clients, clients)
+    for k in whole.params:
+        torch.testing.assert_close(out.params[k], whole.params[k], rtol=0, atol=1e-6)
+    fails["left"] = 2
+    with pytest.raises(RuntimeError, match="transient"):
+        train_pass(ctx, spec, 0)

@@ -186,14 +186,14 @@ def test_pacfl_cuts_at_beta_on_the_official_measure(tmp_path):
 
 
 class Recorder:
-    """Stands in for ``train_from`` in ifca.py: records every pre-training, then trains."""
+    """Stands in for ``train_from`` in ifca_init.py: records every pre-training, then trains."""
 
     def __init__(self, real):
         self.real, self.calls = real, []
 
-    def __call__(self, ctx, state, start, clients, **kw):
+    def __call__(self, ctx, start, clients, **kw):
         self.calls.append((kw.get("stream"), len(clients)))
-        return self.real(ctx, state, start, clients, **kw)
+        return self.real(ctx, start, clients, **kw)
 
 
 @pytest.mark.parametrize("name", ["ifca", "difca"])

@@ -520,3 +520,15 @@ def test_shards_of_the_cohort_give_the_same_run(tmp_path, engine):
             assert torch.equal(v, parts.algo["pruning"][kind].dense()[k]), k
     assert whole.history[-1]["sparsity"] == parts.history[-1]["sparsity"] > 0
     assert [h["bytes_up"] for h in whole.history] == [h["bytes_up"] for h in parts.history]
+
+
+def test_a_method_that_regroups_every_round_is_refused_with_one_line(tmp_path):
+    """FLIS-DC's clusters are this round's groups, not the server's models: the masked fill has no
+    server value to fall back on (it crashed with an IndexError at the first aggregate). FLIS-HC,
+    whose clusters last, still runs with pruning."""
+    with pytest.raises(ValueError, match=r"^config error: pruning.method: .*flis_dc forms new clusters.*use pruning.method=none") as e:
+        cfg_of(pruning={"method": "unstructured"}, algo={"name": "flis_dc", "server_data_size": 100, "beta": 0.5})
+    assert "\n" not in str(e.value)
+    cfg = cfg_of(pruning={"method": "unstructured", "acc_threshold": 0.0},
+                 algo={"name": "flis_hc", "server_data_size": 100, "beta": 0.5}, rounds=2)
+    assert run_rounds(prepare(cfg, tmp_path)).round == 2

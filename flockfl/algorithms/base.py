@@ -1,16 +1,29 @@
-"""The algorithm interface: five hooks, whose defaults are FedAvg.
+"""The algorithm interface: pure hooks over (state, inputs), whose defaults are FedAvg.
 
-An algorithm is a class with pure hooks over (state, inputs):
+The round, in the order the driver (``flockfl/rounds.py``) calls them:
 
-- ``init_state(ctx)`` → the round-0 :class:`ServerState`;
-- ``select(state, ctx, round)`` → the client ids of the cohort;
-- ``local_spec(state, ctx, clients, round)`` → a :class:`LocalSpec` (initial params,
-  schedule knobs, anything the later hooks need in ``meta``);
+- ``init_state(ctx)`` → the round-0 :class:`ServerState`; ``pre_federation(state, ctx)``: a
+  one-shot step before round 0 (PACFL's signatures, FLIS-HC's clustering), run once;
+- ``select(state, ctx, round)`` → the cohort; ``before_training``: scheduling that reacts to the
+  data (FlexCFL's migration);
+- ``local_spec(state, ctx, clients, round)`` → a :class:`LocalSpec` (where each client starts —
+  ``model_of`` —, its local work — ``local_work`` —, the method's terms);
 - ``cluster(state, ctx, spec, result)`` → the cluster of each trained client;
 - ``aggregate(state, ctx, spec, result, assign)`` → the new ``ServerState``;
-- ``evaluate(state, ctx)`` → per-client and summary metrics; a method whose clients keep their
-  own models (``personal``) overrides ``own_models`` (also where fine-tuning starts) and, for
-  its per-cluster metrics, ``cluster_metrics``, instead of the whole method.
+- ``evaluate(state, ctx)`` → per-client and summary metrics (each client's ``eval_assignment``
+  model, or under ``personal`` its ``own_models`` row); ``finetune`` and ``admit_newcomers`` for
+  the "after local training" convention and the clients that join after federation.
+
+Rarer rounds: ``cycles_per_round`` and ``cycle_candidates`` (FedCluster's sub-rounds),
+``companion_spec`` and ``absorb_companions`` (pFedMe's unsampled clients), ``shift_pool``.
+Around the run: ``check_config`` and ``notes`` (at validation), ``input_files`` (files the
+preparation reads), ``comm_bytes`` and ``sim_round_time`` (accounting).
+
+``cluster`` returns ids of ``state.models`` (``cluster_ids_are_models``) except where a method
+regroups its clients every round (FLIS-DC: this round's groups become the new models). A method
+that splits clusters from this round's updates (CFL) does so in ``aggregate``: the stages'
+``before_aggregate`` (the pruning stage's masked fill, which indexes the models by cluster) runs
+between the two hooks and changes the updates the split must test.
 
 A subclass overrides only what differs from FedAvg. Hooks never touch files, Prefect or
 MLflow; the flow (``flows/experiment.py``) calls them through thin tasks.
@@ -25,11 +38,10 @@ import torch
 
 from flockfl.aggregation import broadcast, mean_weights, rows, weighted_mean
 from flockfl.algorithms.hyper import Hyper, declared, weighting
-from flockfl.client import finetune_epochs, pass_spec, round_spec
+from flockfl.client import finetune_epochs, pass_spec, round_spec, train_pass
 from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext
-from flockfl.engine import TRAINERS
 from flockfl.engine.functional import index_params, num_params, stack
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import TrainResult
@@ -64,6 +76,11 @@ class Algorithm:
 
         Each hyper-parameter's own range is declared in ``hyperparameters`` and checked
         before this is called."""
+
+    # the ids ``cluster`` returns index ``state.models`` (False: this round's own groups, which
+    # ``aggregate`` turns into the new models; FLIS-DC): a stage that reads the server's model of
+    # a client's cluster before ``aggregate`` (pruning's masked fill) refuses such a method
+    cluster_ids_are_models = True
 
     # the algorithm.k at which this method is FedAvg (one cluster, one model): it still runs (a
     # legitimate limit, e.g. a sanity check), and says so (:meth:`notes`)
@@ -264,14 +281,14 @@ class Algorithm:
         return state, self.eval_assignment(state, ctx)[newcomers], "the global model"
 
     def finetune(self, state: ServerState, ctx: RunContext, clients: np.ndarray, assign: np.ndarray, round: int,
-                 engine: str, stream: str) -> TrainResult:
+                 stream: str) -> TrainResult:
         """``train.finetune_epochs`` epochs of plain local SGD for each listed client, from
         its ``own_models`` row (the thesis's "after its last local training" convention)."""
         t = self.cfg.train
         clients = np.asarray(clients, np.int64)
         init = self.own_models(state, ctx, clients, np.asarray(assign, np.int64))
         spec = pass_spec(t, clients, init, finetune_epochs(t), stream=stream, momentum=t.momentum if self.finetune_momentum else 0.0)
-        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
+        return train_pass(ctx, spec, round)
 
     # ------------------------------------------------------------------ accounting
     def sim_round_time(self, state: ServerState, ctx: RunContext, clients: np.ndarray, steps: np.ndarray) -> float:

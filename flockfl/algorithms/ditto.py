@@ -48,7 +48,7 @@ import numpy as np
 from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.personal import PersonalModels
-from flockfl.client import finetune_epochs, pass_spec
+from flockfl.client import finetune_epochs, pass_spec, train_pass
 from flockfl.engine import TRAINERS
 from flockfl.engine.schedule import LocalSpec, SecondPass
 
@@ -155,13 +155,12 @@ class Ditto(PersonalModels):
                 out[k] = max(out[k], out[g])
         return out
 
-    def finetune(self, state, ctx, clients, assign, round, engine, stream):
+    def finetune(self, state, ctx, clients, assign, round, stream):
         """``train.finetune_epochs`` personal epochs (the proximal step) from each client's v_k
         (from w for a newcomer)."""
         clients = np.asarray(clients, np.int64)
         init = self.own_models(state, ctx, clients, assign)
-        spec = self.personal_spec(state, ctx, clients, init, finetune_epochs(self.cfg.train), stream)
-        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
+        return train_pass(ctx, self.personal_spec(state, ctx, clients, init, finetune_epochs(self.cfg.train), stream), round)
 
     def admit_newcomers(self, state, ctx, newcomers):
         return state, self.eval_assignment(state, ctx)[newcomers], "a personal model trained from the global w (λ-prox)"

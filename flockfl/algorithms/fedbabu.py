@@ -23,9 +23,7 @@ import numpy as np
 
 from flockfl.algorithms.hyper import choice, integer, real, sourced, weighting
 from flockfl.algorithms.partial import PartialSharing, frozen_masks, partition_key
-from flockfl.algorithms.personal import run_pass
-from flockfl.client import pass_spec
-from flockfl.engine import TRAINERS
+from flockfl.client import pass_spec, train_pass
 from flockfl.engine.trainers import TrainResult
 from flockfl.evaluation import measure_own
 
@@ -58,7 +56,7 @@ class FedBABU(PartialSharing):
             spec.masks = frozen_masks(spec.init, self.names(state), len(clients))
         return spec
 
-    def tune(self, state, ctx, clients, round: int, engine: str, stream: str) -> TrainResult | None:
+    def tune(self, state, ctx, clients, round: int, stream: str) -> TrainResult | None:
         """The fine-tuned models of the listed clients (None when ``finetune_epochs`` is 0)."""
         epochs = self.hp("finetune_epochs")
         if not epochs:
@@ -68,19 +66,16 @@ class FedBABU(PartialSharing):
         body = [k for k in init if k not in set(self.names(state))]
         masks = frozen_masks(init, body, len(clients)) if self.hp("finetune_parts") == "head" else None
         spec = pass_spec(t, clients, init, epochs, stream=stream, momentum=self.hp("finetune_momentum"), masks=masks)
-        spec = dataclasses.replace(spec, lr=self.hp("finetune_lr"))
-        if engine is None:
-            return run_pass(ctx, state, spec, round)
-        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
+        return train_pass(ctx, dataclasses.replace(spec, lr=self.hp("finetune_lr")), round)
 
     def chunk_metrics(self, state, ctx, clients, assign):
         out = super().chunk_metrics(state, ctx, clients, assign)
-        res = self.tune(state, ctx, clients, state.round, None, "fedbabu_finetune")
+        res = self.tune(state, ctx, clients, state.round, "fedbabu_finetune")
         tuned = measure_own(ctx, res.params, clients) if res else out[""]
         return {"": tuned, "_global": out[""]}
 
-    def finetune(self, state, ctx, clients, assign, round, engine, stream):
-        res = self.tune(state, ctx, clients, round, engine, stream)
+    def finetune(self, state, ctx, clients, assign, round, stream):
+        res = self.tune(state, ctx, clients, round, stream)
         if res is None:
             init = self.own_models(state, ctx, clients, np.zeros(len(clients), np.int64))
             n = len(clients)

@@ -28,9 +28,7 @@ import numpy as np
 
 from flockfl.algorithms.hyper import integer, sourced, weighting
 from flockfl.algorithms.partial import PartialSharing, frozen_masks, partition_key
-from flockfl.algorithms.personal import run_pass
-from flockfl.client import finetune_epochs, pass_spec, round_spec
-from flockfl.engine import TRAINERS
+from flockfl.client import finetune_epochs, pass_spec, round_spec, train_pass
 
 
 class FedRep(PartialSharing):
@@ -74,22 +72,22 @@ class FedRep(PartialSharing):
         if names and self.hp("head_epochs"):
             head = pass_spec(t, clients, init, self.hp("head_epochs"), stream="fedrep_head", momentum=t.momentum,
                              masks=frozen_masks(init, body, len(clients)))
-            trained = run_pass(ctx, state, head, round).params
+            trained = train_pass(ctx, head, round).params
             init = {**init, **{k: trained[k] for k in names}}
         masks = frozen_masks(init, names, len(clients)) if names else None
         spec = round_spec(t, clients, init, meta={"model_of_client": np.zeros(len(clients), np.int64)}, masks=masks)
         spec.epochs = self.hp("body_epochs")  # train.local_steps, which would override it, is refused
         return spec
 
-    def finetune(self, state, ctx, clients, assign, round, engine, stream):
+    def finetune(self, state, ctx, clients, assign, round, stream):
         """Head-only epochs (``train.finetune_epochs``) from the global φ + the client's head."""
         t = self.cfg.train
         clients = np.asarray(clients, np.int64)
         init = self.own_models(state, ctx, clients, np.asarray(assign, np.int64))
         body = [k for k in init if k not in set(self.names(state))]
         masks = frozen_masks(init, body, len(clients)) if self.names(state) else None
-        spec = pass_spec(t, clients, init, finetune_epochs(t), stream=stream, momentum=t.momentum, masks=masks)
-        return TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
+        return train_pass(ctx, pass_spec(t, clients, init, finetune_epochs(t), stream=stream, momentum=t.momentum,
+                                         masks=masks), round)
 
     def admit_newcomers(self, state, ctx, newcomers):
         return state, self.eval_assignment(state, ctx)[newcomers], "the global body + a head fitted on own data"

@@ -159,7 +159,7 @@ class FlexCFL(GroupedClients):
     def pretrain(self, state, ctx, clients, round, stream) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         """(pre-trained params, their updates Δw = w − w_0 as float64 rows)."""
         steps = self.cfg.algorithm.pretrain_steps
-        params = train_from(ctx, state, state.algo["w0"], clients, epochs=self.cfg.train.local_epochs if steps is None else 1,
+        params = train_from(ctx, state.algo["w0"], clients, epochs=self.cfg.train.local_epochs if steps is None else 1,
                             steps=steps, round=round, stream=stream).params
         w0 = rows64({k: v.unsqueeze(0) for k, v in state.algo["w0"].items()})
         return params, rows64(params) - w0

@@ -114,12 +114,13 @@ class FLISBase(Algorithm):
 
     def solo_models(self, state, ctx, clients: np.ndarray, round: int, stream: str) -> dict[str, torch.Tensor]:
         """θ_g^0 trained for E local epochs on each listed client's own data."""
-        return train_from(ctx, state, state.algo["theta0"], clients, epochs=self.cfg.train.local_epochs, round=round,
+        return train_from(ctx, state.algo["theta0"], clients, epochs=self.cfg.train.local_epochs, round=round,
                           stream=stream).params
 
 
 class FLISDC(FLISBase):
     name = "flis_dc"
+    cluster_ids_are_models = False  # the overlapping clusters of this round's participants become the models
     paper = "Morafah et al., FLIS: Clustered FL via Inference Similarity, arXiv 2208.09754 (thesis §3.3, Alg. 4–5)"
     hyperparameters = HYPER + (
         choice("select_by", "test_loss", ("test_loss", "test_accuracy", "train_loss"),

@@ -122,7 +122,7 @@ def pretrain_kmeans(cfg: ExperimentConfig, ctx: RunContext, state: ServerState, 
     theta0 = {k: v[0].clone() for k, v in state.models.items()}
     clients = pretrain_cohort(cfg, ctx)
     epochs = a.pretrain_epochs if a.pretrain_epochs is not None else cfg.train.local_epochs
-    res = train_from(ctx, state, theta0, clients, epochs=epochs, stream="pretrain")
+    res = train_from(ctx, theta0, clients, epochs=epochs, stream="pretrain")
     # the updates Δ_i = θ_0 − θ_i, one float64 block per parameter (per weight tensor for ``layers``)
     names = list(theta0)
     if a.pretrain_embedding == "layers":

@@ -74,7 +74,7 @@ class IFCAOneShot(OneShotClustering):
     def local_erm(self, state: ServerState, ctx: RunContext, clients: np.ndarray, stream: str) -> dict[str, torch.Tensor]:
         if self.erm_kind() == "least_squares":
             return least_squares(ctx, clients)
-        return train_from(ctx, state, state.algo["theta0"], clients, epochs=self.cfg.algorithm.erm_epochs, stream=stream).params
+        return train_from(ctx, state.algo["theta0"], clients, epochs=self.cfg.algorithm.erm_epochs, stream=stream).params
 
     def pre_federation(self, state: ServerState, ctx: RunContext) -> ServerState:
         a = self.cfg.algorithm

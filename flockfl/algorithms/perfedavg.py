@@ -65,8 +65,8 @@ import torch
 
 from flockfl.algorithms.hyper import choice, integer, real, weighting
 from flockfl.aggregation import broadcast
-from flockfl.algorithms.personal import PersonalModels, gradient, run_pass, trained_names
-from flockfl.client import pass_spec
+from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
+from flockfl.client import pass_spec, train_pass
 from flockfl.engine.schedule import client_batches
 from flockfl.engine.trainers import calibrate_bn
 from flockfl.rng import np_rng
@@ -216,7 +216,7 @@ class PerFedAvg(PersonalModels):
         else:
             spec = pass_spec(self.cfg.train, clients, glob, 1, steps=int(self.hp("adapt_steps")),
                              stream="perfedavg_adapt")
-        return run_pass(ctx, state, dataclasses.replace(spec, lr=self.alpha()), state.round).params
+        return train_pass(ctx, dataclasses.replace(spec, lr=self.alpha()), state.round).params
 
     def new_rows(self, state, spec, result):
         """w: the mean of the trained clients' w^i (FedAvg's aggregate); under ``last_local``

@@ -11,8 +11,7 @@ Both keep per-client rows in a :class:`~flockfl.clientstate.ClientTable`
 (``state.algo['personal']``): a round gathers and scatters only its cohort's rows. What they
 share lives here: the chunked evaluation of every client's own model (``train.eval_chunk``
 clients at a time; ``accuracy`` and ``accuracy_personal``, plus any family a subclass adds in
-``chunk_metrics``), the extra training passes (:func:`run_pass`, sharded like a round) and the
-per-client gradient of the plain loops (:func:`gradient`).
+``chunk_metrics``) and the per-client gradient of the plain loops (:func:`gradient`).
 """
 
 from __future__ import annotations
@@ -26,11 +25,7 @@ from torch.func import functional_call
 
 from flockfl.aggregation import broadcast
 from flockfl.algorithms.base import Algorithm
-from flockfl.client import run_engine
 from flockfl.clientstate import ClientTable, chunks
-from flockfl.engine import TRAINERS
-from flockfl.engine.schedule import LocalSpec, restrict
-from flockfl.engine.trainers import TrainResult
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.trainers import stat_names, training
 from flockfl.eval_protocol import ClientMetrics, family, overlay, protocol
@@ -60,15 +55,6 @@ class Personal(Algorithm):
             if s:
                 out.update(family(cm, proto, task, s))
         return out
-
-
-def run_pass(ctx, state, spec: LocalSpec, round: int) -> TrainResult:
-    """One extra pass of local training (FedRep's head epochs, FedBABU's fine-tuning), with the
-    run's trainer and sharded like a round (``train.shard_size``)."""
-    t, trainer = ctx.cfg.train, TRAINERS[run_engine(ctx.cfg, state)]
-    n = len(spec.clients)
-    return TrainResult.concat([trainer(ctx.model, restrict(spec, slice(a, min(n, a + t.shard_size))), ctx.data.train,
-                                       ctx.data.task, ctx.seed, round) for a in range(0, n, t.shard_size)])
 
 
 def gradient(model: nn.Module, names: list[str], task: str) -> Callable[[dict, Any, Any], dict]:

@@ -58,7 +58,7 @@ import math
 import numpy as np
 import torch
 
-from flockfl.client import finetune_epochs, pass_spec
+from flockfl.client import finetune_epochs, pass_spec, train_pass
 from flockfl.errors import ConfigError
 from flockfl.clientstate import ClientTable, chunks
 from flockfl.engine.schedule import LocalSpec
@@ -361,7 +361,6 @@ class Pruning(Stage):
         """Each federating client with its own subnetwork (its model ⊙ its mask, with its own
         BN statistics): ``accuracy_pruned``; after ``train.finetune_epochs`` of masked local
         training: ``accuracy_pruned_finetuned``; and the sparsity reached."""
-        from flockfl.engine import TRAINERS
         from flockfl.engine.functional import index_params
         from flockfl.eval_protocol import ClientMetrics, family, protocol
         from flockfl.evaluation import measure_own
@@ -376,8 +375,7 @@ class Pruning(Stage):
             plain.append(measure_own(ctx, self.calibrated(ctx, params, seen), seen))
             if finetune:
                 spec = pass_spec(t, seen, params, finetune_epochs(t), stream="finetune", masks=masks, momentum=t.momentum)
-                res = TRAINERS[state.meta.get("engine", "vectorized")](ctx.model, spec, ctx.data.train, ctx.data.task,
-                                                                       ctx.seed, round)
+                res = train_pass(ctx, spec, round)
                 tuned.append(measure_own(ctx, res.params, seen))
         proto = protocol(ctx)
         out = family(ClientMetrics.join(plain), proto, ctx.data.task, "_pruned")
