@@ -101,7 +101,7 @@ def run_one(cfg, partitions: str) -> dict:
     t0 = time.perf_counter()
     state = run_rounds(prep, on_round=record)
     last = state.history[-1]
-    pre = state.meta.get("pre_federation") or {}  # the k-means start's uploads and downloads before round 0
+    pre = state.driver.pre_federation or {}  # the k-means start's uploads and downloads before round 0
     return {"curve": curve, "ari": last.get("ari", float("nan")), "clusters": last.get("num_clusters"),
             "counts": [last.get(f"cluster/{j}/clients", 0) for j in range(state.k)],
             "server_mb": (sum(h["bytes_total"] for h in state.history) + pre.get("bytes_up", 0)

@@ -106,7 +106,7 @@ def run_one(cfg_dict: dict, partitions: Path) -> dict:
     rows = state.history
     full = [h for h in rows[first:] if h.get("coverage", 1.0) >= 1.0 and "accuracy" in h] or rows[-1:]
     per_model = sum(v[0].numel() for v in state.models.values()) * next(iter(state.models.values())).element_size()
-    pre = state.meta.get("pre_federation") or {}
+    pre = state.driver.pre_federation or {}
     units = (sum(h["bytes_total"] + h.get("bytes_inter_group", 0) for h in rows)
              + pre.get("bytes_up", 0) + pre.get("bytes_down", 0)) / per_model
     return {"max": 100 * max(h["accuracy"] for h in full), "final": 100 * rows[-1]["accuracy"],

@@ -68,7 +68,7 @@ def run_one(dataset: str, init: str, seed: int, fmnist_rounds: int, extra: list[
     t_init = time.perf_counter() - t_init
     state = run_rounds(prep, state)
     last = state.history[-1]
-    pre = state.meta.get("pre_federation", {})
+    pre = state.driver.pre_federation or {}
     return {"dataset": dataset, "init": init, "seed": seed, "rounds": cfg.train.rounds, "ari": last.get("ari"),
             "accuracy": last.get("accuracy"), "clusters": last.get("num_clusters"),
             "sizes": [last.get(f"cluster/{j}/clients", 0) for j in range(cfg.algorithm.k)],

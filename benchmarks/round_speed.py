@@ -105,7 +105,7 @@ def child_flockfl(npz: Path, rounds: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory() as parts:
         prep = prepare(cfg, parts)
         state = prep.algorithm.init_state(prep.ctx)
-        state.meta["engine"] = "vectorized"
+        state.driver.engine = "vectorized"
         trainer, full = [], []
         for r in range(rounds):
             clients = prep.algorithm.select(state, prep.ctx, r)

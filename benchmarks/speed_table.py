@@ -203,7 +203,7 @@ def run_workload(name: str, raw: dict, rounds: int, args, cohort: int = 0) -> di
     for r in range(rounds):
         state, _ = drive_round(prep, state, r, stages)
     med = {k: float(np.median(v[1:] if len(v) > 1 else v)) for k, v in times.items()}
-    return {"workload": name, **med, "engine": state.meta.get("engine"), "reason": state.meta.get("engine_reason", ""),
+    return {"workload": name, **med, "engine": state.driver.engine, "reason": state.driver.engine_reason or "",
             "acc_plain": acc["plain"], "acc_flockfl": acc["flockfl"], "rounds": rounds}
 
 

@@ -6,31 +6,31 @@ metric names are in :mod:`flockfl.eval_protocol`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from flockfl.eval_protocol import AVERAGES, REPORTS, TEST_SETS, Protocol, variant
+from flockfl.state import DriverRecord
 
 if TYPE_CHECKING:
     from flockfl.state import ServerState
 
 
-def note_trained(meta: dict, trained: np.ndarray, seen: np.ndarray, round_no: int) -> None:
-    """Track which federating clients have trained; ``meta['all_trained_round']`` becomes the
-    first round (1-based, as history rows count) by which every one of them has."""
-    if "all_trained_round" in meta or len(seen) == 0:
-        return
+def note_trained(driver: DriverRecord, trained: np.ndarray, seen: np.ndarray, round_no: int) -> DriverRecord:
+    """Track which federating clients have trained; ``all_trained_round`` becomes the first
+    round (1-based, as history rows count) by which every one of them has."""
+    if driver.all_trained_round is not None or len(seen) == 0:
+        return driver
     n = int(seen.max()) + 1
-    done = np.unpackbits(meta["trained"], count=n).astype(bool) if "trained" in meta else np.zeros(n, bool)
+    done = np.unpackbits(driver.trained, count=n).astype(bool) if driver.trained is not None else np.zeros(n, bool)
     trained = np.asarray(trained, np.int64)
     done[trained[trained < n]] = True
     if done[seen].all():
-        meta.pop("trained", None)
-        meta["all_trained_round"] = int(round_no)
-    else:
-        meta["trained"] = np.packbits(done)
+        return dataclasses.replace(driver, trained=None, all_trained_round=int(round_no))
+    return dataclasses.replace(driver, trained=np.packbits(done))
 
 
 def reported(rows: list[dict], key: str, mode: str, last_k: int, all_trained: Optional[int]) -> Optional[tuple[float, int]]:
@@ -82,15 +82,15 @@ SUMMARY_KEYS = (
 
 
 def summarise(state: ServerState, target: Optional[float] = None) -> dict[str, Any]:
-    """The run's metrics under its protocol (``state.meta['eval_protocol']``): every accuracy
+    """The run's metrics under its protocol (``state.driver.eval_protocol``): every accuracy
     family from the round its report mode picks, everything else from the last round; the
     protocol itself (with the round ``accuracy`` comes from and when every client had trained),
     every report mode of every convention of ``accuracy``, the median round time leaving out
     the first round, and time to target."""
-    proto = Protocol(**state.meta.get("eval_protocol", {}))
+    proto = Protocol(**(state.driver.eval_protocol or {}))
     rows = state.history
     last = rows[-1] if rows else {}
-    all_trained = state.meta.get("all_trained_round")
+    all_trained = state.driver.all_trained_round
     metrics: dict[str, Any] = {}
     for k in SUMMARY_KEYS:
         if "accuracy" in k:

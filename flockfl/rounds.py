@@ -121,18 +121,17 @@ def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
 
     The choice is stored in the state so that a resumed run keeps it (bit-identical), and set
     on the context (``ctx.trainer``) for every pass outside the round's training."""
-    cfg = prep.cfg.train
-    if "engine" in state.meta or len(spec.clients) == 0:  # an empty cohort: decide on a real one
-        return state.meta.get("engine") or ("vectorized" if cfg.engine == "auto" else cfg.engine)
+    cfg, run = prep.cfg.train, state.driver
+    if run.engine is not None or len(spec.clients) == 0:  # an empty cohort: decide on a real one
+        return run.engine or ("vectorized" if cfg.engine == "auto" else cfg.engine)
     if cfg.engine != "auto":
-        state.meta["engine"], state.meta["engine_reason"] = cfg.engine, "configured"
+        run.engine, run.engine_reason = cfg.engine, "configured"
     else:
-        choice, timings = choose_engine(prep.ctx.model, split_spec(spec, cfg.shard_size)[0], prep.ctx.data.train,
-                                        prep.ctx.data.task, prep.cfg.seed)
-        state.meta["engine"] = choice
-        state.meta["engine_reason"] = "auto: " + ", ".join(f"{k}={v:.4f}" for k, v in timings.items())
-    prep.ctx.engine = state.meta["engine"]
-    return prep.ctx.engine
+        run.engine, timings = choose_engine(prep.ctx.model, split_spec(spec, cfg.shard_size)[0], prep.ctx.data.train,
+                                            prep.ctx.data.task, prep.cfg.seed)
+        run.engine_reason = "auto: " + ", ".join(f"{k}={v:.4f}" for k, v in timings.items())
+    prep.ctx.engine = run.engine
+    return run.engine
 
 
 # ---------------------------------------------------------------------- stages
@@ -144,9 +143,9 @@ def pre_federation_stage(prep: PreparedRun, state: ServerState) -> ServerState:
     """The algorithm's one-shot pre-federation step, timed; its cost goes into the state."""
     t0 = time.perf_counter()
     new = prep.algorithm.pre_federation(state, prep.ctx)
-    cost = new.meta.pop("pre_federation_bytes", {"up": 0, "down": 0})
-    new.meta["pre_federation"] = {"seconds": time.perf_counter() - t0, "bytes_up": int(cost["up"]),
-                                  "bytes_down": int(cost["down"])}
+    cost = new.meta.pop("pre_federation_bytes", {"up": 0, "down": 0})  # the algorithm's count, handed over
+    cost = {"seconds": time.perf_counter() - t0, "bytes_up": int(cost["up"]), "bytes_down": int(cost["down"])}
+    new = new.replace(driver=dataclasses.replace(new.driver, pre_federation=cost))
     maybe_crash("pre_federation", 0)
     return new
 
@@ -156,27 +155,27 @@ def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[Ser
     the algorithm react to the data (``before_training``: FlexCFL's migration and cold start),
     then decide how each client trains (``local_spec``).
 
-    Called once per cycle (``state.meta['cycle']``; one cycle unless ``cycles_per_round`` says
+    Called once per cycle (``state.driver.cycle``; one cycle unless ``cycles_per_round`` says
     more). The stages' ``select`` and ``after_select`` act on the round, so they run in its first
     cycle only: a multi-cycle round is shifted once, and a run resumed at cycle c > 0 finds the
     shift in the checkpointed state. A stage that replaces the cohort (a client curriculum)
-    chooses the round's cohort there; it is kept in ``state.meta['round_cohort']`` for the rest
+    chooses the round's cohort there; it is kept in ``state.driver.round_cohort`` for the rest
     of the round and every cycle trains its share of it (:func:`cycle_share`)."""
     alg, ctx, stages = prep.algorithm, prep.ctx, prep.stages.values()
     for st in stages:
         st.sync(ctx, state)
     clients = alg.select(state, ctx, round)
-    if int(state.meta.get("cycle", 0)) == 0:  # round-level hooks: once per round
+    if state.driver.cycle == 0:  # round-level hooks: once per round
         drawn = clients
         for st in stages:
             clients = st.select(ctx, state, alg, clients, round)
         for st in stages:
             state = st.after_select(ctx, alg, state, round)
         if any(st.replaces_cohort for st in stages) and alg.cycles_per_round(state, ctx) > 1:
-            state = state.replace(meta={**state.meta, ROUND_COHORT: [int(c) for c in clients]})
+            state = state.replace(driver=dataclasses.replace(state.driver, round_cohort=[int(c) for c in clients]))
             clients = drawn
-    if ROUND_COHORT in state.meta:
-        clients = cycle_share(alg, state, ctx, round, np.asarray(state.meta[ROUND_COHORT], np.int64), clients)
+    if state.driver.round_cohort is not None:
+        clients = cycle_share(alg, state, ctx, round, np.asarray(state.driver.round_cohort, np.int64), clients)
     state = alg.before_training(state, ctx, clients, round)
     spec = alg.local_spec(state, ctx, clients, round)
     if ctx.cfg.train.momentum and not spec.momentum:  # train.momentum: local momentum for any algorithm
@@ -187,8 +186,6 @@ def select_stage(prep: PreparedRun, state: ServerState, round: int) -> tuple[Ser
     maybe_crash("select", round)
     return state, spec
 
-
-ROUND_COHORT = "round_cohort"  # state.meta: a stage's cohort of a multi-cycle round (dropped when the round ends)
 
 def cycle_share(alg: Algorithm, state: ServerState, ctx: RunContext, round: int, cohort: np.ndarray,
                 drawn: np.ndarray) -> np.ndarray:
@@ -296,7 +293,7 @@ def should_evaluate(cfg: ExperimentConfig, round: int) -> bool:
 @dataclass
 class RoundWork:
     """What a round's cycles did so far (one cycle unless ``cycles_per_round`` says more);
-    kept in ``state.meta['partial_round']`` by a mid-round checkpoint."""
+    kept in ``state.driver.partial_round`` by a mid-round checkpoint."""
 
     cycle: int = 0
     clients: list = field(default_factory=list)
@@ -334,14 +331,15 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
     round's accounting, and its assignment-history row repeats the last known assignments.
     ``sim_round_time`` uses the local steps the trained clients actually took. Counts the
     round's stages logged (``state.meta['round_log']``: clients shifted, migrated, ...) join
-    the row. The state's meta keeps the run's evaluation protocol and which clients have trained
+    the row. The driver's record keeps the run's evaluation protocol and which clients have trained
     (for ``eval.report=best_after_all_seen``); the last round's row adds every report mode of
     every accuracy convention (``flockfl.eval_summary.report_modes``).
     """
     last = state.history[-1] if state.history else {}
     sim_total = last.get("sim_time", 0.0) + work.sim
     row = {k: v for k, v in (metrics or {}).items() if not k.startswith("_")}
-    meta = {k: v for k, v in state.meta.items() if k not in ("round_log", "cycle", "partial_round", ROUND_COHORT)}
+    meta = {k: v for k, v in state.meta.items() if k != "round_log"}
+    run = dataclasses.replace(state.driver, cycle=0, partial_round=None, round_cohort=None)
     row.update({k: v for k, v in (state.meta.get("round_log") or {}).items() if not k.startswith("_")})
     row.update({"round": state.round + 1, "clients": len(work.clients), "clients_dropped": len(work.dropped),
                 "bytes_down": work.down, "bytes_up": work.up, "bytes_total": work.down + work.up, "round_time_s": wall,
@@ -350,16 +348,17 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
     for st in prep.stages.values():
         row.update(st.row(work.thesis, last))
     if metrics and "_newcomers" in metrics:
-        meta["newcomers"] = metrics["_newcomers"]
+        run.newcomers = metrics["_newcomers"]
     proto = Protocol.of(prep.cfg)
-    meta["eval_protocol"] = proto.asdict()
-    note_trained(meta, np.setdiff1d(np.asarray(work.clients, np.int64), np.asarray(work.dropped, np.int64)), prep.ctx.seen,
-                 state.round + 1)
+    run.eval_protocol = proto.asdict()
+    run = note_trained(run, np.setdiff1d(np.asarray(work.clients, np.int64), np.asarray(work.dropped, np.int64)),
+                       prep.ctx.seen, state.round + 1)
     if metrics is not None and state.round + 1 == prep.cfg.train.rounds:
-        row.update(report_modes(state.history + [row], proto.last_k, meta.get("all_trained_round")))
+        row.update(report_modes(state.history + [row], proto.last_k, run.all_trained_round))
     assigned = metrics["_assignment"] if metrics else state.assignments
     hist = np.vstack([state.assignment_history, assigned[None, :]])
-    return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist, meta=meta), row
+    return state.replace(round=state.round + 1, history=state.history + [row], assignment_history=hist, meta=meta,
+                         driver=run), row
 
 
 def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stages = PLAIN,
@@ -368,12 +367,12 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
     runs several), then evaluate. After every cycle but the last, ``on_cycle`` gets a state
     that resumes the round at the next cycle (the flow checkpoints it)."""
     t0 = time.perf_counter()
-    prep.ctx.engine = state.meta.get("engine")  # the trainer chosen in an earlier round (a resumed run's too)
+    prep.ctx.engine = state.driver.engine  # the trainer chosen in an earlier round (a resumed run's too)
     state = optimizer_state.with_table(prep.cfg, prep.ctx.model, prep.ctx.num_clients, state)
-    work = RoundWork(**state.meta.get("partial_round", {}))
+    work = RoundWork(**(state.driver.partial_round or {}))
     cycles = prep.algorithm.cycles_per_round(state, prep.ctx)
     for c in range(work.cycle, cycles):
-        state = state.replace(meta={**{k: v for k, v in state.meta.items() if k != "partial_round"}, "cycle": c})
+        state = state.replace(driver=dataclasses.replace(state.driver, partial_round=None, cycle=c))
         state, spec = stages.select(prep, state, round)
         received = state  # what the cohort downloaded
         engine = pick_engine(prep, state, spec)
@@ -390,7 +389,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
         work.add(prep, received, state, spec.clients, dropped, result)
         if c + 1 < cycles:
             work.cycle = c + 1
-            state = state.replace(meta={**state.meta, "partial_round": dataclasses.asdict(work)})
+            state = state.replace(driver=dataclasses.replace(state.driver, partial_round=dataclasses.asdict(work)))
             if on_cycle:
                 on_cycle(state)
             maybe_crash("cycle", round)
@@ -419,7 +418,7 @@ def train_companions(prep: PreparedRun, stages: Stages, state: ServerState, comp
 
 
 def needs_pre_federation(prep: PreparedRun, state: ServerState) -> bool:
-    return prep.algorithm.has_pre_federation() and "pre_federation" not in state.meta
+    return prep.algorithm.has_pre_federation() and state.driver.pre_federation is None
 
 
 def drive(prep: PreparedRun, state: Optional[ServerState] = None, stages: Stages = PLAIN, until: Optional[int] = None,

@@ -28,6 +28,29 @@ CKPT_RE = re.compile(r"^ckpt-(\d{6})\.pt$")
 
 
 @dataclass
+class DriverRecord:
+    """What the round driver (``flockfl/rounds.py``) and the flow keep about the run, beside the
+    algorithm's own ``meta`` (which the driver never reads or writes)."""
+
+    engine: Optional[str] = None  # the trainer the run uses (``rounds.pick_engine``; ``ctx.trainer``)
+    engine_reason: Optional[str] = None  # "configured", or auto's timings of both trainers
+    pre_federation: Optional[dict] = None  # the one-shot step's cost: seconds, bytes_up, bytes_down
+    eval_protocol: Optional[dict] = None  # the protocol the run reports under (``eval.*``)
+    all_trained_round: Optional[int] = None  # the round after which every federating client had trained
+    trained: Optional[np.ndarray] = None  # until then, which of them have (packed bits)
+    newcomers: Optional[dict] = None  # how the newcomers joined: clients, clusters, rule, new_clusters
+    cycle: int = 0  # the running cycle of a multi-cycle round (FedCluster)
+    partial_round: Optional[dict] = None  # a mid-round checkpoint's progress (``rounds.RoundWork``)
+    round_cohort: Optional[list] = None  # a stage's cohort of a whole multi-cycle round
+    mlflow_run_id: Optional[str] = None  # the MLflow run a resume continues (set by the flow)
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> "DriverRecord":
+        """A checkpoint written before the record existed kept these in ``meta``: moved out of it."""
+        return cls(**{f.name: meta.pop(f.name) for f in dataclasses.fields(cls) if f.name in meta})
+
+
+@dataclass
 class ServerState:
     """Everything needed to continue a run.
 
@@ -36,7 +59,8 @@ class ServerState:
     every client (-1 = never assigned); ``assignment_history`` has one row per round.
     ``algo`` holds algorithm-specific tensors (server optimiser moments, control
     variates, ...). Random streams need no saved state: every draw is a pure function of
-    (seed, round, client, purpose), recorded in ``meta['rng']``.
+    (seed, round, client, purpose), recorded in ``meta['rng']``. ``meta`` is the algorithm's
+    (and ``meta['round_log']`` the round's extra history columns); ``driver`` is the driver's.
     """
 
     round: int
@@ -46,6 +70,7 @@ class ServerState:
     algo: dict[str, Any] = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    driver: DriverRecord = field(default_factory=DriverRecord)
 
     def replace(self, **changes: Any) -> "ServerState":
         return dataclasses.replace(self, **changes)
@@ -76,13 +101,16 @@ class ServerState:
             "algo": _to_cpu(self.algo),
             "history": self.history,
             "meta": self.meta,
+            "driver": dataclasses.asdict(self.driver),
         }
 
     @classmethod
     def from_payload(cls, p: dict[str, Any], run_dir: Optional[Path] = None) -> "ServerState":
+        meta = dict(p["meta"])
+        driver = DriverRecord(**p["driver"]) if "driver" in p else DriverRecord.from_meta(meta)
         return cls(
             int(p["round"]), dict(p["models"]), p["assignments"].numpy(), p["assignment_history"].numpy(),
-            _from_cpu(dict(p["algo"]), run_dir), list(p["history"]), dict(p["meta"]),
+            _from_cpu(dict(p["algo"]), run_dir), list(p["history"]), meta, driver,
         )
 
 

@@ -280,12 +280,12 @@ def _finalise(prep: rounds.PreparedRun, state: ServerState, run_dir: Path, track
         return None
     # what the job needs, taken now (it must not hold on to the prepared run: a sweep's next run is
     # loading meanwhile): the model template, the final tensors and one input example
-    model, models, newcomers = prep.ctx.model, state.models, state.meta.get("newcomers")
+    model, models, newcomers = prep.ctx.model, state.models, state.driver.newcomers
     choices = state.meta.get(auto.META_KEY)
     example = prep.ctx.data.train.x[:2].cpu().numpy()
     name = f"flockfl-{cfg.name}" if cfg.tracking.register_model else None
     digest = state.digest()
-    tags = {"flockfl.engine": state.meta.get("engine", ""), "flockfl.engine_reason": state.meta.get("engine_reason", ""),
+    tags = {"flockfl.engine": state.driver.engine or "", "flockfl.engine_reason": state.driver.engine_reason or "",
             "flockfl.partition_sha256": prep.partition_hash, "flockfl.state_sha256": digest}
 
     def close(t: Tracker) -> dict:
@@ -350,13 +350,13 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     def save(st: ServerState) -> None:
         if tracker:  # the MLflow run a resume continues (waits for it to exist: by now it does)
             tracker.check()  # a failed log fails the run here, not at its end
-            st.meta["mlflow_run_id"] = tracker.run_id
+            st.driver.mlflow_run_id = tracker.run_id
         tasks.checkpoint(Q(st), run_dir, cfg.train.checkpoints_to_keep)
 
     def after_pre_federation(st: ServerState) -> None:
         save(st)  # resume never redoes it
         if tracker:
-            tracker.log_pre_federation(st.meta["pre_federation"])
+            tracker.log_pre_federation(st.driver.pre_federation)
             for rec in st.meta.get(auto.META_KEY, []):  # a threshold chosen before round 0 (algorithm.*=auto)
                 tracker.log_values(auto.metrics(rec), step=0)
         phases["pre_federation"] = time.perf_counter() - clock["drive0"]  # the algorithm's one-shot step
@@ -426,8 +426,8 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         **{k: summary[k] for k in ("target_accuracy", "rounds_to_target", "sim_time_to_target", "protocol", "reports")
            if k in summary},
         "orchestration_ms_median": float(np.median(overhead[1:] or overhead)) * 1000 if overhead else float("nan"),
-        "engine": state.meta.get("engine"),
-        "engine_reason": state.meta.get("engine_reason"),
+        "engine": state.driver.engine,
+        "engine_reason": state.driver.engine_reason,
         "threads": prep.threads,
         # the core lease (flockfl.cores): cores_wait_s, how long the rounds waited for this run's cores;
         # cores_queued_s, from the request (set-up went on meanwhile) to the grant; cores_leased, their CPU ids
@@ -441,9 +441,9 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
         "clients_dropped": int(sum(h.get("clients_dropped", 0) for h in state.history)),
         # every byte sent: the rounds' transfers plus the one-shot pre-federation upload/download
         "bytes_total": int(sum(h.get("bytes_total", 0) for h in state.history)
-                           + sum(v for k, v in state.meta.get("pre_federation", {}).items() if k.startswith("bytes"))),
-        **({"pre_federation": state.meta["pre_federation"]} if "pre_federation" in state.meta else {}),
-        **({"newcomers": state.meta["newcomers"]} if "newcomers" in state.meta else {}),
+                           + sum(v for k, v in (state.driver.pre_federation or {}).items() if k.startswith("bytes"))),
+        **({"pre_federation": state.driver.pre_federation} if state.driver.pre_federation is not None else {}),
+        **({"newcomers": state.driver.newcomers} if state.driver.newcomers is not None else {}),
         **({"auto": auto.summary(state.meta)} if auto.META_KEY in state.meta else {}),
     }
     out["body_at"] = (t_start, time.perf_counter())  # for run_experiment's flow_start / flow_end phases

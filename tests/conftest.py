@@ -197,7 +197,7 @@ def assert_mid_round_resume(cfg, tmp_path, round: int = 1, cycle: int = 2):
     full = run_rounds(prepare(cfg, tmp_path))
     mids = []
     drive(prepare(cfg, tmp_path), None, PLAIN, until=round + 1, on_cycle=mids.append)
-    mid = [s for s in mids if s.round == round and s.meta["partial_round"]["cycle"] == cycle][0]
+    mid = [s for s in mids if s.round == round and s.driver.partial_round["cycle"] == cycle][0]
     save_checkpoint(mid, tmp_path / "run")
     restored, _ = load_latest(tmp_path / "run")
     resumed = drive(prepare(cfg, tmp_path), restored, PLAIN)

@@ -243,7 +243,7 @@ def test_newcomers_use_the_chosen_beta(tmp_path):
                  clients_per_round=18)
     prep = prepare(cfg, tmp_path)
     state = run_rounds(prep)
-    info = state.meta["newcomers"]
+    info = state.driver.newcomers
     truth = prep.ctx.data.group
     old = prep.ctx.seen
     # each newcomer joins the cluster of its true group (PME with the chosen β)

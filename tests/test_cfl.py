@@ -33,7 +33,7 @@ def test_both_trainers_agree_across_splits(tmp_path):
     ref, vec = assert_trainers_agree(lambda e: cfg_of(algo, {"unseen_fraction": 0.2}, engine=e), tmp_path)
     tree = [[(r["round"], r["children"], r["sizes"]) for r in s.meta["cfl_splits"]] for s in (ref, vec)]
     assert vec.k > 2 and tree[0] == tree[1]
-    assert vec.meta["newcomers"]["rule"] == "the lowest-loss cluster model"
+    assert vec.driver.newcomers["rule"] == "the lowest-loss cluster model"
 
 
 def test_resume_continues_the_cluster_tree_bit_identically(tmp_path):

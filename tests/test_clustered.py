@@ -48,7 +48,7 @@ def test_resume_is_bit_identical_and_never_redoes_the_pre_federation(tmp_path, a
 
 def test_the_pre_federation_result_and_cost_are_in_the_state(tmp_path):
     state = run_rounds(prepare(cfg_of({"name": "pacfl", "beta": 30.0}), tmp_path), until=1)
-    cost = state.meta["pre_federation"]
+    cost = state.driver.pre_federation
     # every client uploads p=3 singular vectors per class it holds, 64 floats each, as float32
     assert cost["bytes_up"] > 0 and cost["bytes_up"] % (3 * 64 * 4) == 0 and cost["bytes_down"] == 0
     prox = state.algo["matrices"]["pacfl_proximity"]
@@ -149,5 +149,5 @@ def test_newcomers_join_after_training(tmp_path, algo):
     assert not trained & set(unseen.tolist())
     row = state.history[-1]
     assert 0.0 <= row["unseen_accuracy"] <= 1.0 and "unseen_accuracy_untuned" in row
-    info = state.meta["newcomers"]
+    info = state.driver.newcomers
     assert info["clients"] == unseen.tolist() and len(info["clusters"]) == 3 and info["rule"]

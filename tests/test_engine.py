@@ -229,10 +229,12 @@ def test_the_trainer_is_set_once_on_the_context_and_kept_by_a_resumed_run(tmp_pa
     prep = prepare(cfg, tmp_path)
     assert prep.ctx.engine is None and prep.ctx.trainer is TRAINERS["vectorized"]  # before any round chose
     state = run_rounds(prep, until=1)
-    assert prep.ctx.engine == state.meta["engine"] and prep.ctx.trainer is TRAINERS[state.meta["engine"]]
-    other = "reference" if state.meta["engine"] == "vectorized" else "vectorized"
+    assert prep.ctx.engine == state.driver.engine and prep.ctx.trainer is TRAINERS[state.driver.engine]
+    other = "reference" if state.driver.engine == "vectorized" else "vectorized"
     fresh = prepare(cfg, tmp_path)
-    drive_round(fresh, state.replace(meta={**state.meta, "engine": other}), 1)
+    import dataclasses
+
+    drive_round(fresh, state.replace(driver=dataclasses.replace(state.driver, engine=other)), 1)
     assert fresh.ctx.engine == other and fresh.ctx.trainer is TRAINERS[other]
 
 

@@ -116,7 +116,7 @@ def test_every_convention_is_logged_and_the_headline_follows_the_configured_one(
     # the last row names every report mode of every convention (best_after_all_seen once everyone trained)
     for mode in ("final", "best", "mean_last"):
         assert f"accuracy__proportional__samples__{mode}" in row
-    assert ("accuracy__label_union__clients__best_after_all_seen" in row) == ("all_trained_round" in state.meta)
+    assert ("accuracy__label_union__clients__best_after_all_seen" in row) == (state.driver.all_trained_round is not None)
 
 
 @pytest.mark.parametrize("name", ["fedavg", "ditto"])
@@ -138,19 +138,18 @@ def test_samples_average_and_proportional_set_are_the_defaults(tmp_path):
     row = state.history[-1]
     assert row["accuracy"] == row["accuracy__proportional__samples"]
     assert row["accuracy_p10"] == row["accuracy_p10__proportional"]
-    assert state.meta["eval_protocol"] == {"test_set": "proportional", "average": "samples", "report": "final",
+    assert state.driver.eval_protocol == {"test_set": "proportional", "average": "samples", "report": "final",
                                            "last_k": 10}
 
 
 def _state(rows, all_trained=None, **proto):
-    from flockfl.state import ServerState
+    from flockfl.state import DriverRecord, ServerState
 
-    meta = {"eval_protocol": {"test_set": "proportional", "average": "samples", "report": "final", "last_k": 2, **proto}}
-    if all_trained is not None:
-        meta["all_trained_round"] = all_trained
+    driver = DriverRecord(eval_protocol={"test_set": "proportional", "average": "samples", "report": "final", "last_k": 2,
+                                         **proto}, all_trained_round=all_trained)
     history = [{"round": r, "round_time_s": 1.0, **row} for r, row in enumerate(rows, 1)]
     return ServerState(len(rows), {"w": torch.zeros(1, 1)}, np.zeros(1, np.int64), np.zeros((0, 1), np.int64),
-                       history=history, meta=meta)
+                       history=history, driver=driver)
 
 
 ROWS = [{"accuracy": 0.5, "accuracy__proportional__samples": 0.5, "loss": 2.0}, {"sparsity": 0.1},  # round 2 not evaluated
@@ -182,17 +181,16 @@ def test_best_after_all_seen_without_every_client_trained_reports_nothing():
 
 def test_all_trained_round_counts_federating_clients_only():
     from flockfl.eval_summary import note_trained
+    from flockfl.state import DriverRecord
 
-    meta: dict = {}
     seen = np.array([0, 1, 2, 4])  # client 3 is a newcomer
-    note_trained(meta, np.array([0, 1]), seen, 1)
-    assert "all_trained_round" not in meta
-    note_trained(meta, np.array([1, 2]), seen, 2)
-    assert "all_trained_round" not in meta
-    note_trained(meta, np.array([4]), seen, 3)
-    assert meta == {"all_trained_round": 3}
-    note_trained(meta, np.array([0]), seen, 4)
-    assert meta["all_trained_round"] == 3
+    run = note_trained(DriverRecord(), np.array([0, 1]), seen, 1)
+    assert run.all_trained_round is None and run.trained is not None
+    run = note_trained(run, np.array([1, 2]), seen, 2)
+    assert run.all_trained_round is None
+    run = note_trained(run, np.array([4]), seen, 3)
+    assert run == DriverRecord(all_trained_round=3)
+    assert note_trained(run, np.array([0]), seen, 4).all_trained_round == 3
 
 
 def test_flexcfl_round_robin_has_trained_everyone_after_n_over_k_rounds(tmp_path):
@@ -200,7 +198,7 @@ def test_flexcfl_round_robin_has_trained_everyone_after_n_over_k_rounds(tmp_path
     row's best_after_all_seen is the best evaluated round from there."""
     cfg = cfg_of(algorithm={"name": "flexcfl", "k": 2}, train={"rounds": 3}, eval={"report": "best_after_all_seen"})
     state = run_rounds(prepare(cfg, tmp_path))
-    assert state.meta["all_trained_round"] == 2
+    assert state.driver.all_trained_round == 2
     key = "accuracy__proportional__samples"
     assert state.history[-1][f"{key}__best_after_all_seen"] == max(h[key] for h in state.history[1:])
 
@@ -211,7 +209,7 @@ def test_resume_and_both_trainers_keep_the_protocol_logs(tmp_path):
     over = dict(algorithm={"name": "flexcfl", "k": 2}, eval={"test_set": "label_union", "report": "best_after_all_seen"},
                 train={"rounds": 4, "clients_per_round": 4})  # round robin: everyone trained by round 3
     full, _ = assert_resume_bit_identical(cfg_of(**over), tmp_path / "resume", until=1)
-    assert full.meta["all_trained_round"] == 3
+    assert full.driver.all_trained_round == 3
     assert any(k.endswith("__best_after_all_seen") for k in full.history[-1])
     ref, vec = assert_trainers_agree(lambda e: cfg_of(**{**over, "train": {**over["train"], "engine": e}}), tmp_path / "agree")
     for k in ("accuracy", "accuracy__label_union__samples", "accuracy__proportional__clients"):

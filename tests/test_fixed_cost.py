@@ -65,7 +65,7 @@ def test_models_exported_in_the_background_are_there_after_the_process_exits(pro
     assert json.loads((project / "runs/full/run.json").read_text())["finished"] is True
     assert _versions(client, s["run_id"]) == {"0": [s["model_versions"][0]], "1": [s["model_versions"][1]]}
     state = load_latest(project / "runs/full")[0]
-    assert state.meta["mlflow_run_id"] == s["run_id"]  # the checkpoint names the run a resume continues
+    assert state.driver.mlflow_run_id == s["run_id"]  # the checkpoint names the run a resume continues
     mlflow.set_tracking_uri(uri(project))
     for j, version in enumerate(s["model_versions"]):
         net = mlflow.pytorch.load_model(f"models:/flockfl-fc/{version}")

@@ -117,7 +117,7 @@ def test_group_cold_start_cost_is_in_the_state(tmp_path):
     assert len(state.algo["pretrain_clients"]) == 6 and sorted(set(state.algo["pretrain_labels"].tolist())) == [0, 1]
     # §6.4: α·m updates up; w_0 to the α·m pre-training clients and the m directions to all 12 clients down
     per_model = sum(v[0].numel() for v in state.models.values()) * 4
-    cost = state.meta["pre_federation"]
+    cost = state.driver.pre_federation
     assert cost["bytes_up"] == 6 * per_model and cost["bytes_down"] == 6 * per_model + 12 * 2 * per_model
     # per round: one model down and one up per selected client, as FedAvg
     assert state.history[0]["bytes_down"] == state.history[0]["bytes_up"] == 4 * per_model
@@ -306,7 +306,7 @@ def test_newcomers_are_cold_started(tmp_path):
     cfg = validate(tiny_config(algorithm={"name": "flexcfl", "k": 2, "alpha": 2}, partition={"unseen_fraction": 0.25},
                                train={"rounds": 2, "clients_per_round": 4, "finetune_epochs": 1}))
     state = run_rounds(prepare(cfg, tmp_path))
-    info = state.meta["newcomers"]
+    info = state.driver.newcomers
     assert len(info["clusters"]) == 3 and info["rule"] == "Eq. 8 cold start"
     assert 0.0 <= state.history[-1]["unseen_accuracy"] <= 1.0
 

@@ -269,7 +269,7 @@ def test_pacfl_resume_after_a_kill_is_bit_identical(project, pacfl_run, point):
     assert s["metrics"] == pacfl_run["metrics"] and s["newcomers"] == pacfl_run["newcomers"]
     if point == "1:select":  # killed in round 1: the pre-federation result, its measured seconds
         assert s["resumed_from_round"] == 1  # included, came from the checkpoint: it was not redone
-        assert s["pre_federation"] == kept.meta["pre_federation"]
+        assert s["pre_federation"] == kept.driver.pre_federation
     else:  # killed inside the pre-federation step, before its checkpoint: it ran again
         assert kept is None
 
@@ -305,7 +305,7 @@ def test_a_kill_between_cycles_of_a_shifting_run_resumes_bit_identically(project
     from flockfl.state import load_latest
 
     kept, _ = load_latest(project / run_dir)
-    assert kept.round == 1 and kept.meta["partial_round"]["cycle"] == 1
+    assert kept.round == 1 and kept.driver.partial_round["cycle"] == 1
     res = run_flock(["resume", run_dir, "--json"], project)
     assert res.returncode == 0, res.stderr
     s = last_json(res.stdout)

@@ -166,7 +166,7 @@ def test_pretrain_kmeans_cost_and_cohort(tmp_path):
     # default cohort: max(clients_per_round, 20·k) = 40, capped at the 12 clients that federate
     assert state.algo["pretrain_clients"].tolist() == list(range(12))
     per_model = sum(v[0].numel() for v in state.models.values()) * 4
-    cost = state.meta["pre_federation"]
+    cost = state.driver.pre_federation
     assert cost["bytes_up"] == cost["bytes_down"] == 12 * per_model
     assert sum(state.meta["pretrain_cluster_sizes"]) == 12
     few = run_rounds(prepare(cfg_of({"name": "ifca", "k": 2, "init": "pretrain_kmeans", "pretrain_clients": 5}), tmp_path),
@@ -211,7 +211,7 @@ def test_oneshot_recovers_the_linear_mixture(tmp_path, k):
     assert adjusted_rand_score(prep.ctx.data.group, state.assignments) == 1.0
     assert state.history[-1]["ari"] == 1.0
     assert state.history[-1]["min_dist"] < 0.05  # each cluster starts at its members' mean ERM
-    cost = state.meta["pre_federation"]
+    cost = state.driver.pre_federation
     assert cost["bytes_up"] == 40 * 20 * 4 and cost["bytes_down"] == 0  # θ̃_i up, nothing down
     np.testing.assert_array_equal(state.assignment_history[-1], state.assignments)  # frozen
 
@@ -236,7 +236,7 @@ def test_oneshot_with_sgd_erm_clusters_rotated_digits(tmp_path):
     state = run_rounds(prepare(cfg, tmp_path))
     assert state.history[-1]["ari"] == 1.0
     per_model = sum(v[0].numel() for v in state.models.values()) * 4
-    assert state.meta["pre_federation"]["bytes_up"] == state.meta["pre_federation"]["bytes_down"] == 20 * per_model
+    assert state.driver.pre_federation["bytes_up"] == state.driver.pre_federation["bytes_down"] == 20 * per_model
 
 
 def test_oneshot_newcomers_join_the_nearest_centre(tmp_path):
@@ -244,7 +244,7 @@ def test_oneshot_newcomers_join_the_nearest_centre(tmp_path):
                      partition={"unseen_fraction": 0.25}, train={"clients_per_round": 20, "rounds": 2})
     prep = prepare(cfg, tmp_path)
     state = run_rounds(prep)
-    new = state.meta["newcomers"]
+    new = state.driver.newcomers
     truth, seen = prep.ctx.data.group, prep.ctx.seen
     # map each k-means cluster to the truth through the federating clients, then check the newcomers
     mapping = {int(j): int(np.bincount(truth[seen][state.assignments[seen] == j]).argmax()) for j in range(2)}

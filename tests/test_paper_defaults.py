@@ -226,7 +226,7 @@ def test_the_k_means_start_is_an_option_with_a_central_step(tmp_path, monkeypatc
     assert prep.algorithm.has_pre_federation()
     state = run_rounds(prep)
     assert [stream for stream, _ in rec.calls] == ["pretrain"]
-    assert state.meta["pre_federation"]["bytes_up"] > 0
+    assert state.driver.pre_federation["bytes_up"] > 0
 
 
 def test_the_default_ifca_start_is_k_independent_random_models(tmp_path):

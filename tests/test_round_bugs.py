@@ -62,7 +62,7 @@ def test_a_mid_round_resume_does_not_shift_again(tmp_path):
     mids = []
     drive(prepare(cfg, tmp_path), None, PLAIN, until=2, on_cycle=mids.append)
     for cycle in (1, 2):
-        mid = [s for s in mids if s.round == 1 and s.meta["partial_round"]["cycle"] == cycle][0]
+        mid = [s for s in mids if s.round == 1 and s.driver.partial_round["cycle"] == cycle][0]
         save_checkpoint(mid, tmp_path / f"run{cycle}")
         restored, _ = load_latest(tmp_path / f"run{cycle}")
         resumed = drive(prepare(cfg, tmp_path), restored, PLAIN)
@@ -88,7 +88,7 @@ def test_the_client_curriculum_selects_once_per_round_and_fedcluster_cycles_spli
 
     def select(prep_, state, round):
         state, spec = select_stage(prep_, state, round)
-        cycles.append((round, int(state.meta["cycle"]), spec.clients.copy()))
+        cycles.append((round, state.driver.cycle, spec.clients.copy()))
         return state, spec
 
     st = drive(prep, None, Stages(select=select))
@@ -105,14 +105,14 @@ def test_the_client_curriculum_selects_once_per_round_and_fedcluster_cycles_spli
             assert (clusters[cl] == order[c]).all()
     assert [h["clients"] for h in st.history] == [len(w) for _, w in cohorts]
     assert [h["client_pool"] for h in st.history] == [6, 8, 10, 12]  # logged once per round, not per cycle
-    assert "round_cohort" not in st.meta
+    assert st.driver.round_cohort is None
 
 
 def test_a_mid_round_resume_keeps_the_rounds_cohort(tmp_path):
     cfg = cfg_of({"name": "fedcluster", "k": 3}, curriculum={"clients": True, "ordering": "curr", "b": 0.5},
                  shift={"kind": "swap_all", "probability": 0.5})
     mid = assert_mid_round_resume(cfg, tmp_path, round=1, cycle=2)
-    assert "round_cohort" in mid.meta
+    assert mid.driver.round_cohort is not None
 
 
 def test_means_logged_by_stages_are_means_over_the_rounds_cycles(tmp_path):

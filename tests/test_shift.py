@@ -136,7 +136,7 @@ def test_fedcluster_makes_m_updates_per_round_each_client_at_most_once(tmp_path)
     orig = prep.algorithm.aggregate
 
     def counting(state, ctx, spec, result, assign):
-        seen.append((int(state.meta["cycle"]), result.clients.tolist()))
+        seen.append((state.driver.cycle, result.clients.tolist()))
         return orig(state, ctx, spec, result, assign)
 
     prep.algorithm.aggregate = counting

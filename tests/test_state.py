@@ -85,3 +85,32 @@ def test_eval_every_skips_evaluation_but_not_the_last_round(tmp_path):
     state = run_rounds(prepare(cfg, tmp_path))
     assert [("accuracy" in h) for h in state.history] == [False, True, False, True, True]
     assert state.assignment_history.shape == (5, cfg.partition.num_clients)
+
+
+def test_a_checkpoint_from_before_the_driver_record_resumes_with_its_driver_keys(tmp_path):
+    """Checkpoints written before ``ServerState.driver`` kept the driver's keys in ``meta``: loading
+    one moves them into the record (a run resumed across the upgrade keeps its engine, its
+    pre-federation cost and its mid-round progress) and leaves the algorithm's keys in ``meta``."""
+    import dataclasses
+    import hashlib
+    import io
+
+    from flockfl.state import MAGIC, DriverRecord
+
+    cfg = validate(tiny_config(train={"rounds": 2, "engine": "reference"}))
+    state = run_rounds(prepare(cfg, tmp_path / "a"))
+    assert state.driver.engine == "reference" and state.driver.eval_protocol is not None
+    old = state.to_payload()
+    driver = old.pop("driver")
+    old["meta"] = {**old["meta"], **{k: v for k, v in driver.items() if v is not None and k != "cycle"},
+                   "partial_round": {"cycle": 1}}
+    buf = io.BytesIO()
+    torch.save(old, buf)
+    data = MAGIC + hashlib.sha256(buf.getvalue()).hexdigest().encode() + b"\n" + buf.getvalue()
+    back = decode_state(data)
+    want = dataclasses.asdict(dataclasses.replace(state.driver, partial_round={"cycle": 1}))
+    got = dataclasses.asdict(back.driver)
+    assert want.pop("trained") is not None and np.array_equal(got.pop("trained"), state.driver.trained)
+    assert got == want and got["engine"] == "reference" and got["pre_federation"] is None
+    assert back.meta == state.meta and "engine" not in back.meta
+    assert isinstance(back.driver, DriverRecord) and back.digest() == state.digest()

@@ -103,14 +103,14 @@ class FedCluster(Algorithm):
         return np_rng(ctx.seed, round, purpose="fedcluster/order").permutation(m)
 
     def cycle_candidates(self, state, ctx, round: int) -> np.ndarray:
-        """The clients the running cycle (``state.meta['cycle']``) draws from: cluster σ_j(K).
+        """The clients the running cycle (``state.driver.cycle``) draws from: cluster σ_j(K).
         A stage that chooses the round's cohort itself (a client curriculum) has each cycle
         train the cohort's members of this cluster (``flockfl.rounds.cycle_share``)."""
-        cycle = int(state.meta.get("cycle", 0))
+        cycle = state.driver.cycle
         return np.flatnonzero(self.clusters(ctx) == self.order(state, ctx, round)[cycle])
 
     def select(self, state, ctx, round):
-        cycle = int(state.meta.get("cycle", 0))
+        cycle = state.driver.cycle
         m = self.num_device_clusters(ctx)
         if m == 1:  # FedAvg's own draw: FedCluster(M=1) is FedAvg
             return super().select(state, ctx, round)
