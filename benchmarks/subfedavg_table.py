@@ -106,7 +106,7 @@ def main(argv=None) -> None:
             print(f"  {name}: {out[name]['wall_s']:.0f}s", flush=True)
     print(f"\n{args.dataset} shards (2 per client), cnn_bn, 100 clients, {args.per_round}/round, {args.rounds} rounds × "
           f"{args.epochs} epochs, lr {args.lr} momentum 0.5, seed {args.seed}; wall {time.perf_counter() - t_all:.0f}s")
-    from flockfl.stages.pruning import thesis_comm_bytes
+    from flockfl.stages.masks import thesis_comm_bytes
     from models import build_model
 
     net = build_model("cnn_bn", (1, 28, 28), 10)  # |W| of §2.8: conv and linear weights and biases (21,840)

@@ -121,7 +121,7 @@ def _check_registered(cfg: ExperimentConfig) -> None:
 
 def _check_pruning(cfg: ExperimentConfig, cls: type) -> None:
     """Sub-FedAvg's server fills each client's pruned entries from its cluster's model
-    (``flockfl/stages/pruning.py``), which a method that regroups its clients every round has not
+    (``flockfl/stages/subfedavg.py``), which a method that regroups its clients every round has not
     made yet (FLIS-DC: it crashed at the first aggregate)."""
     if cfg.pruning.method != "none" and not cls.cluster_ids_are_models:
         raise ValueError(f"pruning.method: Sub-FedAvg fills each client's pruned entries from its cluster's server model, "

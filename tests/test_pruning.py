@@ -18,7 +18,8 @@ from flockfl.engine.functional import stack
 from flockfl.rng import torch_generator
 from flockfl.rounds import prepare, run_rounds
 from flockfl.eval_summary import summarise
-from flockfl.stages.pruning import Pruning, hamming, magnitude_masks, thesis_comm_bytes
+from flockfl.stages.masks import hamming, magnitude_masks, thesis_comm_bytes
+from flockfl.stages.pruning import Pruning
 from models import build_model, init_params
 
 

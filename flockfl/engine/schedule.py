@@ -99,7 +99,7 @@ class LocalSpec:
     # the purpose of the batch-order streams (seed, round, client, stream): "shuffle" for a
     # round's training, another name for extra passes (evaluation fine-tuning, newcomers)
     stream: str = "shuffle"
-    # pruning (flockfl/stages/pruning.py): stacked per-client 0/1 masks of the masked parameters;
+    # pruning (flockfl/stages/subfedavg.py): stacked per-client 0/1 masks of the masked parameters;
     # a masked weight's update is multiplied by its mask, so a pruned weight (0 in the init) stays 0
     masks: Optional[dict[str, torch.Tensor]] = None
     # per-client step count after which both trainers record the parameters
