@@ -13,7 +13,7 @@ from flockfl.errors import ConfigError
 from flockfl.config import DatasetConfig, PartitionConfig
 from flockfl.experiments import validate
 from flockfl.data import build_client_data, load_dataset, make_partition
-from flockfl.data.datasets import Dataset
+from flockfl.data.dataset import Dataset
 from flockfl.data.heterogeneity import heterogeneity
 from flockfl.data.partition import Partition, labels_per_client, largest_remainder, resolved_num_clients, split_test_like_train
 from flockfl.data.superclusters import balanced_allocation, clients_per_group, super_clusters

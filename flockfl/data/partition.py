@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from flockfl.config import PartitionConfig
-from flockfl.data.datasets import Dataset
+from flockfl.data.dataset import Dataset
 from flockfl.errors import ConfigError
 from flockfl.rng import np_rng
 

@@ -8,7 +8,8 @@ import dataclasses
 import numpy as np
 
 from flockfl.config import ExperimentConfig
-from flockfl.data.datasets import Dataset, merge_splits
+from flockfl.data.dataset import Dataset
+from flockfl.data.datasets import merge_splits
 from flockfl.data.partition import (Partition, largest_remainder, partition_dirichlet, partition_hash, partition_iid,
                                     partition_label_swap, partition_natural, partition_pfllib_pat, partition_rotated,
                                     partition_shards, partition_shards_pct, split_local)
