@@ -265,7 +265,7 @@ def test_natural_takes_the_client_count_from_the_data():
     x = np.zeros((6, 2), np.float32)
     ds = Dataset("npz", x, np.zeros(6, np.int64), x, np.zeros(6, np.int64), num_classes=1,
                  client_train=np.array([0, 0, 1, 1, 2, 2]), client_test=np.array([0, 1, 2, 0, 1, 2]))
-    from flockfl.data.partition import partition_natural
+    from flockfl.data.plain_schemes import partition_natural
 
     assert partition_natural(ds, PartitionConfig(scheme="natural"), 0).num_clients == 3
     assert resolved_num_clients(PartitionConfig(scheme="natural"), ds) == 3
