@@ -14,7 +14,7 @@ free up, so a run that needs two cores is not overtaken for ever by runs that ne
 waiter's ticket is unlocked and swept away by the next one who looks.
 
 A lease never changes a run's thread count (that would change its bits; see
-``flockfl.engine.trainers.resolve_threads``): a run waits for its cores, or, with
+``flockfl.engine.runtime.resolve_threads``): a run waits for its cores, or, with
 ``FLOCKFL_CORE_LEASE=off``, shares them (same results, slower rounds). This module is stdlib only.
 """
 

@@ -30,8 +30,12 @@ A plugin that cannot be imported, registers a name a built-in has, or one anothe
 is a one-line :class:`PluginError` naming the plugin and the fix; it is raised again at every
 later registry read, so no run starts without the plugins it was configured with.
 
-This module sits at the bottom of the import layers (it imports only ``flockfl.errors``): the
-schema (``flockfl.config``) asks it for plugin names, and the registries above build on it.
+``flockfl.plugin_sources`` lists the two sources (importing no plugin); this module imports
+what they name, records what each registers and keeps the registries.
+
+This module sits at the bottom of the import layers (it imports only ``flockfl.errors`` and
+``flockfl.plugin_sources``, which imports nothing of flockfl's): the schema (``flockfl.config``)
+asks it for plugin names, and the registries above build on it.
 """
 
 from __future__ import annotations
@@ -42,17 +46,13 @@ import os
 import re
 import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from flockfl.errors import FlockError
+from flockfl.plugin_sources import ENV, GROUPS, _describe, _entry_points, _kind_of, env_modules
 
-ENV = "FLOCKFL_PLUGINS"
-# registry kind → entry-point group (a contract: installed plugins declare these)
-GROUPS = {"algorithm": "flockfl.algorithms", "model": "flockfl.models", "dataset": "flockfl.datasets",
-          "scheme": "flockfl.schemes"}
 KEYS = {"algorithm": "algorithm.name", "model": "model.name", "dataset": "dataset.name", "scheme": "partition.scheme"}
 BUILTIN = "built-in"
 _NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]*$")
@@ -309,29 +309,6 @@ def load() -> None:
             _done = True
 
 
-def env_modules(value: Optional[str] = None) -> list[str]:
-    """The module names of ``FLOCKFL_PLUGINS`` (comma-separated; blanks ignored)."""
-    value = os.environ.get(ENV, "") if value is None else value
-    return [m.strip() for m in value.split(",") if m.strip()]
-
-
-def _entry_points() -> list:
-    from importlib.metadata import entry_points
-
-    eps = entry_points()
-    out, seen = [], set()
-    for kind, group in GROUPS.items():
-        for ep in eps.select(group=group):
-            if (group, ep.name, ep.value) not in seen:  # one distribution found twice on sys.path
-                seen.add((group, ep.name, ep.value))
-                out.append(ep)
-    return out
-
-
-def _kind_of(group: str) -> str:
-    return next(k for k, g in GROUPS.items() if g == group)
-
-
 def _load_entry_point(ep) -> None:
     global _current
     dist = getattr(getattr(ep, "dist", None), "name", None)
@@ -395,20 +372,6 @@ def _import_module(module: str) -> None:
     finally:
         _current = None
     _sources.append(origin)
-
-
-def _describe(err: BaseException) -> str:
-    """``Type: message (file:line)``, one line: where the plugin's own code failed."""
-    msg = str(err).splitlines()[0] if str(err) else ""
-    where = ""
-    if isinstance(err, SyntaxError) and err.filename:
-        where = f"{Path(err.filename).name}:{err.lineno}"
-        msg = err.msg
-    else:
-        frames = [f for f in traceback.extract_tb(err.__traceback__) if "importlib" not in f.filename]
-        if frames:
-            where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno}"
-    return f"{type(err).__name__}: {msg}" + (f" ({where})" if where else "")
 
 
 def _forget() -> None:

@@ -156,8 +156,8 @@ def config_table() -> str:
     allowed values, default and meaning, from :class:`flockfl.config.ExperimentConfig`.
 
     A meaning is the field's ``description``, else the ``# comment`` above the field and on its
-    line in ``flockfl/config.py``. The ``algorithm`` section's keys are per algorithm: its rows
-    point to docs/algorithms.md."""
+    line in its module of ``flockfl/config/``. The ``algorithm`` section's keys are per algorithm:
+    its rows point to docs/algorithms.md."""
     from flockfl.config import ExperimentConfig
 
     lines = ["| key | type / allowed values | default | meaning |", "|---|---|---|---|"]

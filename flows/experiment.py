@@ -131,7 +131,7 @@ def _request_cores(cfg: ExperimentConfig, run_dir) -> None:
     """Queue for the cores of this run's threads (``flockfl.cores``; not on CUDA) while it sets up."""
     import torch
 
-    from flockfl.engine.trainers import resolve_threads
+    from flockfl.engine.runtime import resolve_threads
 
     if cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available()):
         return

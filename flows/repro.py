@@ -261,7 +261,7 @@ def _data_problem(ds) -> Optional[str]:
     """Why a cell's dataset cannot be loaded (one line with the fix), or None. Only the files
     are looked for (the loader's own search: ``dataset.path``, ``data/raw/<name>/``, the Debian
     package's folder); generated and bundled datasets always load."""
-    from flockfl.data.datasets import SYSTEM_DIRS, _find_idx_dir, default_mix_sources
+    from flockfl.data.images import SYSTEM_DIRS, _find_idx_dir, default_mix_sources
     from flockfl.errors import ConfigError
 
     try:

@@ -56,7 +56,7 @@ def test_real_process_prints_no_traceback(workdir):
 
 
 def test_missing_dataset_is_one_line(in_workdir, capsys, monkeypatch):
-    import flockfl.data.datasets as dsmod
+    import flockfl.data.images as dsmod
 
     monkeypatch.setitem(dsmod.SYSTEM_DIRS, "mnist", str(in_workdir / "none"))
     assert main(["run", "ifca_rotated_digits", "--set", "dataset.name=mnist"]) == 2

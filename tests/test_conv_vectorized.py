@@ -12,7 +12,7 @@ from torch import nn
 from flockfl.engine import LocalSpec, train_cohort, train_reference
 from flockfl.engine.functional import _Pool, stack, stacked_plan
 from flockfl.engine.schedule import LrSchedule
-from flockfl.engine.trainers import keep_freed_memory
+from flockfl.engine.runtime import keep_freed_memory
 from flockfl.rng import torch_generator
 from models import build_model, init_params
 

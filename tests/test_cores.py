@@ -176,18 +176,18 @@ def test_opt_out(monkeypatch, tmp_path):
 
 
 def test_thread_count_honours_omp_num_threads_and_train_threads(monkeypatch):
-    from flockfl.engine import trainers
-    from flockfl.engine.trainers import resolve_threads
+    from flockfl.engine import runtime
+    from flockfl.engine.runtime import resolve_threads
 
     monkeypatch.delenv("FLOCKFL_MAX_THREADS", raising=False)
     # the user's value as the process started (what Dask's nannies set later is not the user's)
-    monkeypatch.setattr(trainers, "USER_OMP_NUM_THREADS", "3")
+    monkeypatch.setattr(runtime, "USER_OMP_NUM_THREADS", "3")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert resolve_threads(0) == 3
     assert resolve_threads(0) == 3 and resolve_threads(1) == 1
     monkeypatch.setenv("FLOCKFL_MAX_THREADS", "1")  # flockfl sweep --parallel's share
     assert resolve_threads(0) == 1
-    monkeypatch.setattr(trainers, "USER_OMP_NUM_THREADS", None)
+    monkeypatch.setattr(runtime, "USER_OMP_NUM_THREADS", None)
     monkeypatch.delenv("FLOCKFL_MAX_THREADS")
     assert resolve_threads(0) == max(1, min(4, len(cores.usable_cores())))
 

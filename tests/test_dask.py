@@ -160,7 +160,7 @@ def test_a_local_cluster_leaves_the_drivers_thread_count_alone():
     it for a run's threads, so without own_thread_env every later run would change its bits."""
     from distributed import LocalCluster
 
-    from flockfl.engine.trainers import resolve_threads
+    from flockfl.engine.runtime import resolve_threads
     from flows.dask import own_thread_env
 
     before = (os.environ.get("OMP_NUM_THREADS"), resolve_threads())

@@ -15,7 +15,7 @@ from flockfl.config import DatasetConfig
 from flockfl.experiments import validate
 from flockfl.data import build_client_data, build_or_load, load_dataset, make_partition
 from flockfl.data.clients import rotate_images
-from flockfl.data.datasets import read_idx
+from flockfl.data.images import read_idx
 from flockfl.data.partition import label_histogram
 from flockfl.data.store import load_partition, partition_path
 
@@ -70,7 +70,7 @@ def test_idx_search_order_uses_data_raw(tmp_path, monkeypatch):
 
 
 def test_idx_missing_names_all_places_and_apt(tmp_path, monkeypatch):
-    import flockfl.data.datasets as dsmod
+    import flockfl.data.images as dsmod
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(dsmod.SYSTEM_DIRS, "fashion_mnist", str(tmp_path / "usr/share/datasets/fashion-mnist"))

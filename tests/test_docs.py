@@ -84,7 +84,7 @@ def test_every_config_key_is_in_the_doc_with_a_default_and_a_meaning():
     assert not missing, f"docs/config.md's key table lacks {missing}: run `python -m flockfl.reference`"
     blank = [k for k in keys if not (rows[k][1] and rows[k][2] and rows[k][3])]
     assert not blank, (f"docs/config.md: {blank} have no type, default or meaning; give each field a "
-                       "description= in flockfl/config.py")
+                       "description= in flockfl/config/")
     assert not set(rows) - set(keys), f"docs/config.md documents keys the schema lacks: {set(rows) - set(keys)}"
 
 

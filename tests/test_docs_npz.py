@@ -64,7 +64,7 @@ def test_the_refusals_the_doc_lists_are_one_line_errors(tmp_path):
     raises is tested in test_npz_errors.py; the ones raised by the schema and the partition in
     test_data.py and test_experiments.py)."""
     from flockfl.config import DatasetConfig
-    from flockfl.data.datasets import load_npz
+    from flockfl.data.npz import load_npz
     from flockfl.errors import ConfigError
 
     text = DATA_MD.read_text()

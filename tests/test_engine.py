@@ -158,10 +158,10 @@ def test_choose_engine_scales_only_the_per_step_cost(monkeypatch):
     """The vectorised estimate is its fixed cost plus steps × its cost per step: a cohort trainer
     with 1 s of fixed work (BN calibration, say) and 10 ms a step is estimated at 1.2 s for 20
     steps, not at 20 × (1 s + 2 steps)/2 steps, and so wins against a 4 s reference."""
-    from flockfl.engine import trainers
+    from flockfl.engine import probe
 
     clock = [0.0]
-    monkeypatch.setattr(trainers.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(probe.time, "perf_counter", lambda: clock[0])
 
     def cohort(model, spec, *args, **kw):
         clock[0] += 1.0 + 0.01 * spec.steps
@@ -169,8 +169,8 @@ def test_choose_engine_scales_only_the_per_step_cost(monkeypatch):
     def reference(model, spec, *args, **kw):
         clock[0] += 0.5 * len(spec.clients)
 
-    monkeypatch.setattr(trainers, "train_cohort", cohort)
-    monkeypatch.setattr(trainers, "train_reference", reference)
+    monkeypatch.setattr(probe, "train_cohort", cohort)
+    monkeypatch.setattr(probe, "train_reference", reference)
     data = random_clients([20] * 8)
     model = build_model("mlp", (1, 8, 8), 10, 16)
     init = stack([init_params(model, torch_generator(0, client=i, purpose="init")) for i in range(8)])

@@ -35,7 +35,7 @@ def test_a_text_key_given_a_wrong_word_is_one_line(workdir):
 
 
 def test_the_schema_names_what_the_registries_hold():
-    """config.py (the bottom layer) spells the dataset, scheme and model names out as Literals;
+    """flockfl/config/ (the bottom layer) spells the dataset, scheme and model names out as Literals;
     they are exactly the registries' keys."""
     import typing
 

@@ -94,39 +94,39 @@ def cases(*groups) -> list:
 def test_resolve_device_turns_on_deterministic_cuda_numerics(monkeypatch):
     import os
 
-    from flockfl.engine import trainers
+    from flockfl.engine import runtime
 
     b = torch.backends
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") in (":4096:8", ":16:8")  # set when flockfl.engine is imported
-    assert trainers.resolve_device("cuda").type == "cuda"
+    assert runtime.resolve_device("cuda").type == "cuda"
     assert (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark) == (False, False, False)
     assert b.cudnn.deterministic and torch.are_deterministic_algorithms_enabled()
-    assert trainers.resolve_device("auto").type == "cuda"
+    assert runtime.resolve_device("auto").type == "cuda"
 
-    monkeypatch.setattr(trainers, "_FAST_MATH_WARNED", [False])
+    monkeypatch.setattr(runtime, "_FAST_MATH_WARNED", [False])
     with pytest.warns(RuntimeWarning, match="no longer bit-identical"):
-        trainers.resolve_device("cuda", fast_math=True)
+        runtime.resolve_device("cuda", fast_math=True)
     assert (b.cuda.matmul.allow_tf32, b.cudnn.allow_tf32, b.cudnn.benchmark) == (True, True, True)
     assert not b.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        trainers.resolve_device("cuda", fast_math=True)  # warned once already
+        runtime.resolve_device("cuda", fast_math=True)  # warned once already
 
 
 def test_resolve_device_leaves_cpu_numerics_alone(monkeypatch):
-    from flockfl.engine import trainers
+    from flockfl.engine import runtime
 
     b = torch.backends
     b.cuda.matmul.allow_tf32, b.cudnn.deterministic = True, False
     torch.use_deterministic_algorithms(False)
     for name, fast in (("cpu", False), ("cpu", True)):
-        assert trainers.resolve_device(name, fast).type == "cpu"
+        assert runtime.resolve_device(name, fast).type == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert trainers.resolve_device("auto").type == "cpu"
+    assert runtime.resolve_device("auto").type == "cpu"
     assert b.cuda.matmul.allow_tf32 and not b.cudnn.deterministic and not torch.are_deterministic_algorithms_enabled()
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        trainers.resolve_device("cuda")
+        runtime.resolve_device("cuda")
 
 
 @pytest.mark.parametrize("device", [FAKE, CUDA])

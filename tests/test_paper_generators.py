@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from flockfl.config import DatasetConfig, PartitionConfig
-from flockfl.data.datasets import Dataset, load_dataset
+from flockfl.data.dataset import Dataset
+from flockfl.data.datasets import load_dataset
 from flockfl.data.partition import dirichlet_split, label_histogram
 from flockfl.data.schemes import make_partition
 from flockfl.data.store import build_or_load, load_partition, partition_path, save_partition

@@ -13,7 +13,7 @@ from flockfl.errors import ConfigError
 from flockfl.config import DatasetConfig, PartitionConfig
 from flockfl.experiments import validate
 from flockfl.data import build_client_data, load_dataset, make_partition
-from flockfl.data.datasets import Dataset
+from flockfl.data.dataset import Dataset
 from flockfl.data.heterogeneity import heterogeneity
 from flockfl.data.partition import Partition, labels_per_client, largest_remainder, resolved_num_clients, split_test_like_train
 from flockfl.data.superclusters import balanced_allocation, clients_per_group, super_clusters
@@ -265,7 +265,7 @@ def test_natural_takes_the_client_count_from_the_data():
     x = np.zeros((6, 2), np.float32)
     ds = Dataset("npz", x, np.zeros(6, np.int64), x, np.zeros(6, np.int64), num_classes=1,
                  client_train=np.array([0, 0, 1, 1, 2, 2]), client_test=np.array([0, 1, 2, 0, 1, 2]))
-    from flockfl.data.partition import partition_natural
+    from flockfl.data.plain_schemes import partition_natural
 
     assert partition_natural(ds, PartitionConfig(scheme="natural"), 0).num_clients == 3
     assert resolved_num_clients(PartitionConfig(scheme="natural"), ds) == 3

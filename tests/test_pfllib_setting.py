@@ -12,7 +12,8 @@ import torch
 
 from flockfl.config import DatasetConfig
 from flockfl.data import build_client_data
-from flockfl.data.datasets import Dataset, load_dataset, merge_splits
+from flockfl.data.dataset import Dataset
+from flockfl.data.datasets import load_dataset, merge_splits
 from flockfl.data.partition import key_hash
 from flockfl.data.schemes import SCHEMES, make_partition
 from flockfl.data.store import build_or_load, load_partition

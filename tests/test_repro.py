@@ -183,9 +183,9 @@ def test_the_estimate_after_the_first_run(tmp_path, monkeypatch):
 def test_missing_data_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch):
     """A table whose dataset is not where the loader looks: the check names the dataset, the
     places searched and the apt-get command; an npz path that does not exist names the path."""
-    from flockfl.data import datasets
+    from flockfl.data import images
 
-    monkeypatch.setitem(datasets.SYSTEM_DIRS, "fashion_mnist", str(tmp_path / "no-such-dir"))
+    monkeypatch.setitem(images.SYSTEM_DIRS, "fashion_mnist", str(tmp_path / "no-such-dir"))
     _tiny_table(tmp_path, monkeypatch, {"name": "fashion_mnist", "path": str(tmp_path / "nowhere")})
     plan = repro.plan_repro("tiny", None, [0], None, None, [], "params.yaml")
     msg = repro.missing_data(plan)

@@ -2,7 +2,8 @@
 
 from flockfl.engine.data import ClientData
 from flockfl.data.clients import build_client_data
-from flockfl.data.datasets import Dataset, load_dataset
+from flockfl.data.dataset import Dataset
+from flockfl.data.datasets import load_dataset
 from flockfl.data.schemes import SCHEMES, make_partition
 from flockfl.data.partition import Partition, resolved_num_clients
 from flockfl.data.store import build_or_load

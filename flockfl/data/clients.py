@@ -19,7 +19,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from flockfl.data.datasets import Dataset
+from flockfl.data.dataset import Dataset
 from flockfl.engine.data import ClientData, Split
 from flockfl.engine.evaluate import TestPool, sorted_by_class
 from flockfl.data.partition import Partition

@@ -24,7 +24,7 @@ from flockfl.clustering import data_basis, label_proportions, mean_pairwise
 from flockfl.clustering.similarity import pairwise_label_emd
 from flockfl.clustering.subspaces import proximity_matrix, stacked_proximity
 from flockfl.data.clients import rotate_images
-from flockfl.data.datasets import Dataset
+from flockfl.data.dataset import Dataset
 from flockfl.data.partition import Partition
 from flockfl.rng import np_rng
 

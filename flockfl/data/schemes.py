@@ -8,10 +8,11 @@ import dataclasses
 import numpy as np
 
 from flockfl.config import ExperimentConfig
-from flockfl.data.datasets import Dataset, merge_splits
-from flockfl.data.partition import (Partition, largest_remainder, partition_dirichlet, partition_hash, partition_iid,
-                                    partition_label_swap, partition_natural, partition_pfllib_pat, partition_rotated,
-                                    partition_shards, partition_shards_pct, split_local)
+from flockfl.data.dataset import Dataset
+from flockfl.data.datasets import merge_splits
+from flockfl.data.partition import Partition, largest_remainder, partition_hash, split_local
+from flockfl.data.plain_schemes import (partition_dirichlet, partition_iid, partition_label_swap, partition_natural,
+                                        partition_pfllib_pat, partition_rotated, partition_shards, partition_shards_pct)
 from flockfl.data.superclusters import partition_mix, partition_sc_dir, partition_sc_niid
 from flockfl.errors import ConfigError
 from flockfl.plugins import Registry
@@ -37,7 +38,7 @@ SCHEMES: Registry = Registry("scheme", {
     "pfllib_pat": partition_pfllib_pat,
 }, check=_check_scheme)
 
-# Docstrings of the built-in schemes whose functions (in flockfl.data.partition) have none; `flockfl list schemes`
+# Docstrings of the built-in schemes whose functions (in flockfl.data.plain_schemes) have none; `flockfl list schemes`
 # prints each one's first sentence. A docstring written on the function itself takes precedence.
 _SCHEME_DOCS = {
     partition_iid: """An equal random share of the training and test sets for every client (IID).

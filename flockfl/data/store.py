@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from flockfl.config import GENERATOR_KEYS, ExperimentConfig
-from flockfl.data.datasets import Dataset, load_dataset, merge_splits
+from flockfl.data.dataset import Dataset
+from flockfl.data.datasets import load_dataset, merge_splits
 from flockfl.data.partition import FORMAT_VERSION, Partition, key_hash, partition_hash
 from flockfl.data.schemes import make_partition
 from flockfl.errors import ConfigError

@@ -9,7 +9,7 @@ import numpy as np
 
 from flockfl.clustering import data_basis, hierarchical_clusters, proximity_matrix
 from flockfl.config import PartitionConfig
-from flockfl.data.datasets import Dataset
+from flockfl.data.dataset import Dataset
 from flockfl.data.partition import (Partition, _check_nonempty, _check_sizes, _client_labels, _need_classes, _shard_deal,
                                     _split_among_owners, check_shards, dirichlet_split, label_histogram, labels_per_client,
                                     largest_remainder, resolved_num_clients, split_test_like_train)

@@ -7,8 +7,9 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 from flockfl.engine.schedule import LocalSpec  # noqa: E402
-from flockfl.engine.trainers import (TRAINERS, TrainResult, choose_engine, configure_cuda, configure_threads,  # noqa: E402
-                                     resolve_device, train_cohort, train_reference)
+from flockfl.engine.trainers import TRAINERS, TrainResult, train_cohort, train_reference  # noqa: E402
+from flockfl.engine.probe import choose_engine  # noqa: E402
+from flockfl.engine.runtime import configure_cuda, configure_threads, resolve_device  # noqa: E402
 
 __all__ = ["LocalSpec", "TRAINERS", "TrainResult", "choose_engine", "configure_cuda", "configure_threads", "resolve_device",
            "train_cohort", "train_reference"]

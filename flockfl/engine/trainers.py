@@ -1,19 +1,15 @@
 """The two local trainers: a plain per-client reference loop and the vectorised cohort trainer.
 
 Both take a :class:`LocalSpec` and the materialised client data, follow the same batch
-schedule, and return a :class:`TrainResult`. Tests assert that they agree to 1e-5.
+schedule, and return a :class:`TrainResult`. Tests assert that they agree to 1e-5. The probe
+that picks one of them (``train.engine=auto``) is :mod:`flockfl.engine.probe`; the thread and
+device set-up, :mod:`flockfl.engine.runtime`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import ctypes
-import dataclasses
-import os
-import sys
-import time
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,7 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 from flockfl.engine.data import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
-from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
+from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
 
 
 @dataclass
@@ -319,148 +315,3 @@ class _GradientTerms:
 
 
 TRAINERS = {"reference": train_reference, "vectorized": train_cohort}
-
-
-def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int) -> tuple[str, dict]:
-    """Time both trainers on this cohort and return the faster one with the timings.
-
-    The reference path is timed on up to 3 clients and scaled to the cohort. The vectorised
-    path costs a fixed part (schedule, BN calibration over every client's data, results) plus
-    a part per step: it is timed on the whole cohort for 1 and for 1 + k steps (k ≤ 16, each
-    the faster of two tries), and the line through the two is read at the schedule's length
-    (scaling a short run alone would multiply its fixed part by the steps). The per-step cost is
-    a difference of two timings multiplied by the schedule's length, so its noise is what the
-    span k and the two tries keep small: with k = 4 and one try, ±20 ms of noise in the fixed
-    part moved a 100-step estimate by ±0.5 s and picked the slower trainer for ``cnn_bn`` in one
-    run of two. The probes' results are discarded and they draw from their own RNG purpose.
-    """
-    probe_round = 2**31 - 2  # a round index no real run reaches, so the probe draws its own data orders
-    n = len(spec.clients)
-    few = min(3, n)
-    sub = restrict(spec, np.arange(few))
-    t0 = time.perf_counter()
-    train_reference(model, sub, data, task, seed, probe_round)
-    ref = (time.perf_counter() - t0) / few * n
-    steps = max(len(b) for b in cohort_schedule(spec, data.sizes, seed, probe_round))
-
-    def vectorized(k: int) -> float:
-        short = dataclasses.replace(spec, epochs=1, steps=k, client_epochs=None, client_steps=None)
-        t0 = time.perf_counter()
-        train_cohort(model, short, data, task, seed, probe_round)
-        return time.perf_counter() - t0
-
-    vectorized(1)  # warm-up (the first vmap call traces, the first convolution picks its kernel)
-    k = min(16, steps - 1)
-    one = min(vectorized(1), vectorized(1))
-    per_step = max(min(vectorized(1 + k), vectorized(1 + k)) - one, 0.0) / k if k > 0 else 0.0
-    vec = one + per_step * (steps - 1)
-    choice = "vectorized" if vec <= ref else "reference"
-    return choice, {"reference_s_est": ref, "vectorized_s_est": vec, "vectorized_step_s": per_step}
-
-
-# the user's OMP_NUM_THREADS as this process started: a Dask LocalCluster's nannies set
-# OMP_NUM_THREADS=1 in the *driver's* environment (for their workers) whenever they spawn one,
-# and a later run of this process must not read that as the user's thread count (other bits)
-USER_OMP_NUM_THREADS = os.environ.get("OMP_NUM_THREADS")
-
-
-def resolve_threads(threads: int = 0) -> int:
-    """The intra-op thread count a run uses, without touching torch: ``train.threads`` when set;
-    else ``OMP_NUM_THREADS`` (its first value; capped by ``FLOCKFL_MAX_THREADS``); else the cores
-    this process may use, at most 4 and at most ``FLOCKFL_MAX_THREADS`` (``flockfl sweep
-    --parallel N`` shares the cores). Never the machine's load, nor the core lease
-    (``flockfl.cores``): the count changes the bits of some reductions."""
-    if threads:
-        return threads
-    cap = _positive(os.environ.get("FLOCKFL_MAX_THREADS"))
-    omp = _positive((USER_OMP_NUM_THREADS or "").split(",")[0])
-    if omp:
-        return min(omp, cap) if cap else omp
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cap or 4, 4, cores))
-
-
-def _positive(text: str | None) -> int:
-    try:
-        n = int(str(text).strip())
-    except ValueError:
-        return 0
-    return n if n > 0 else 0
-
-
-def configure_threads(threads: int = 0) -> int:
-    """Set torch's intra-op threads deliberately (:func:`resolve_threads`), and keep freed tensor
-    memory for reuse (:func:`keep_freed_memory`).
-
-    Measured (benchmarks/speed_table.py, 2-core CPU shared with other sessions): with another
-    busy process, two threads were up to 70x slower than one on the plain loop and 6-20x on the
-    W1 trainer (each small op waits for the descheduled second thread); on a quieter machine two
-    threads were faster (W1 trainer 0.070 s a round vs 0.118 s at one). The default stays the cores: the
-    thread count changes the bits of some reductions (the digest corpus, recorded at 2 threads,
-    fails at 1), and a choice by load would make a run's bits depend on the load. flockfl runs on
-    one machine take turns on the cores instead (``flockfl.cores``, docs/operations.md), and
-    OpenMP's threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE``, flows/env.py)."""
-    n = resolve_threads(threads)
-    torch.set_num_threads(n)
-    keep_freed_memory()
-    return n
-
-
-_RETAIN = 1 << 30  # bytes of freed heap glibc may keep at the top before it returns memory to the OS
-
-
-def keep_freed_memory() -> bool:
-    """glibc only: serve large blocks from the heap and keep up to 1 GiB freed for reuse.
-
-    By default glibc maps every block over 32 MB (a W1 cohort's stacked weights: 75 MB) on its
-    own and unmaps it when freed, so each round page-faults its big tensors in afresh; on W1
-    that was a quarter of the training stage. ``FLOCKFL_MALLOC=system`` leaves glibc as it is.
-    Returns whether the setting was applied."""
-    if os.environ.get("FLOCKFL_MALLOC") == "system" or not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters (malloc.h)
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, _RETAIN))
-    except (OSError, AttributeError):  # not glibc (musl, macOS)
-        return False
-
-
-def resolve_device(name: str, fast_math: bool = False) -> torch.device:
-    """The torch device of ``train.device`` (auto: CUDA when available). On CUDA, also the
-    numerics of ``train.fast_math`` (see :func:`configure_cuda`); CPU settings are untouched."""
-    if name == "auto":
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    elif name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is available; use train.device=cpu or auto")
-    else:
-        device = torch.device(name)
-    if device.type == "cuda":
-        configure_cuda(fast_math)
-    return device
-
-
-_FAST_MATH_WARNED = [False]
-
-
-def configure_cuda(fast_math: bool) -> None:
-    """CUDA numerics for the whole process.
-
-    ``fast_math=False`` (the default): no TF32 in matmuls or convolutions, cuDNN's
-    deterministic algorithms without autotuning, and ``torch.use_deterministic_algorithms``
-    (cuBLAS gets a fixed workspace through ``CUBLAS_WORKSPACE_CONFIG``, set when
-    :mod:`flockfl.engine` is imported). A run then repeats bit for bit on the same GPU and
-    software, so a resumed run equals a straight one, and it matches a CPU run up to float
-    rounding (every random draw is made on the CPU). ``fast_math=True``: TF32 and cuDNN
-    autotuning, nondeterministic kernels allowed: faster, but bit-identity is given up
-    (a warning says so once)."""
-    torch.backends.cuda.matmul.allow_tf32 = fast_math
-    torch.backends.cudnn.allow_tf32 = fast_math
-    torch.backends.cudnn.benchmark = fast_math
-    torch.backends.cudnn.deterministic = not fast_math
-    torch.use_deterministic_algorithms(not fast_math)
-    if fast_math and not _FAST_MATH_WARNED[0]:
-        _FAST_MATH_WARNED[0] = True
-        warnings.warn("train.fast_math=true: TF32 and nondeterministic CUDA kernels; runs (and resumed runs) are no "
-                      "longer bit-identical, and differ from CPU runs by more than float rounding", RuntimeWarning,
-                      stacklevel=3)
