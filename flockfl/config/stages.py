@@ -57,7 +57,7 @@ class CurriculumConfig(_Section):
 
 
 class PruningConfig(_Section):
-    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/stages/pruning.py``), for any algorithm.
+    """Sub-FedAvg pruning (thesis Chapter 4, ``flockfl/stages/subfedavg.py``), for any algorithm.
     Off by default (``method=none``)."""
 
     method: Literal["none", "unstructured", "structured", "hybrid"] = Field(
