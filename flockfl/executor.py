@@ -194,7 +194,7 @@ def _load(job: ShardJob) -> dict:
             raise ExecutorError(f"executor.data_root: worker {where} found partition {stored[:16]}… at {path}, "
                                 f"not the flow's {job.partition_hash[:16]}…; sync the worker's partitions directory")
         try:  # load only: a worker never writes a partition into the shared directory
-            prep = rounds.prepare(cfg, job.data_root, build=False)
+            prep = rounds.prepare(cfg, job.data_root, build=False, inputs=False)  # the files are the driver's
         except ConfigError as err:  # missing data files, or raw data that does not match the partition
             raise ExecutorError(f"worker {where}: {err}") from None
         if prep.partition_hash != job.partition_hash:  # same file, other raw data on this worker

@@ -29,6 +29,7 @@ from flockfl.eval_summary import note_trained, report_modes
 from flockfl.evaluation import measure_own, measure_shared
 from flockfl import optimizer_state
 from flockfl.faults import maybe_crash
+from flockfl.inputs import Reader, read_inputs
 from flockfl.stages import build_stages
 from flockfl.state import ServerState, on_device
 from flockfl.training import isolate_failures, restrict_spec, retrying, shard_loop, split_spec, train_shard
@@ -49,9 +50,11 @@ class PreparedRun:
     stages: dict = field(default_factory=dict)
 
 
-def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions", build: bool = True) -> PreparedRun:
+def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions", build: bool = True,
+            readers: Optional[dict[str, Reader]] = None, inputs: bool = True) -> PreparedRun:
     """Load the data, build or load the partition (content-addressed cache), and the model
-    (``build=False``: only load the partition; a missing or stale one is a ConfigError)."""
+    (``build=False``: only load the partition; a missing or stale one is a ConfigError); the
+    files the config names with ``readers`` for model URIs (``inputs=False``: none, a worker's)."""
     threads = configure_threads(cfg.train.threads)
     ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
     check_task(cfg, ds)
@@ -62,31 +65,21 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
     return assemble(cfg, model, data, truth, partition_path=path, partition_hash=part.content_hash, partition_cached=cached,
-                    threads=threads, info={"heterogeneity": dict(part.info.get("heterogeneity") or {})})
+                    threads=threads, info={"heterogeneity": dict(part.info.get("heterogeneity") or {})},
+                    readers=readers, inputs=inputs)
 
 
 def assemble(cfg: ExperimentConfig, model: torch.nn.Module, data: ClientData, truth: Optional[dict] = None, *,
              partition_path: Optional[Path] = None, partition_hash: str = "", partition_cached: bool = False,
-             threads: int = 1, info: Optional[dict] = None) -> PreparedRun:
-    """The run over prepared data and model: the algorithm, the files it names (read here), the
-    context its hooks see and the active stages."""
-    algorithm = build_algorithm(cfg)
-    ctx = RunContext(cfg, model, data, truth or {}, inputs=read_inputs(algorithm))
+             threads: int = 1, info: Optional[dict] = None, readers: Optional[dict[str, Reader]] = None,
+             inputs: bool = True) -> PreparedRun:
+    """The run over prepared data and model: the algorithm, the active stages, the files they
+    name (read here, :mod:`flockfl.inputs`) and the context their hooks see."""
+    algorithm, stages = build_algorithm(cfg), build_stages(cfg, model)
+    files = read_inputs(algorithm, stages.values(), model, readers or {}) if inputs else {}
+    ctx = RunContext(cfg, model, data, truth or {}, inputs=files)
     return PreparedRun(cfg, ctx, algorithm, partition_path, partition_hash, partition_cached, threads, info or {},
-                       stages=build_stages(cfg, model))
-
-
-def read_inputs(algorithm: Algorithm) -> dict:
-    """The files the algorithm's config names (``Algorithm.input_files``), read here so that
-    no hook opens a file; an unreadable one is a one-line ConfigError."""
-    out = {}
-    for key, path in algorithm.input_files().items():
-        try:
-            out[key] = torch.load(Path(path), map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise ConfigError(f"algorithm.{key}: cannot read {path} ({type(err).__name__}); "
-                              "save k stacked models with torch.save") from None
-    return out
+                       stages=stages)
 
 
 def prepare_data(cfg: ExperimentConfig, data: ClientData, model: Optional[torch.nn.Module] = None) -> PreparedRun:

@@ -20,7 +20,6 @@ from prefect.cache_policies import NO_CACHE
 from flockfl import rounds, training
 from flockfl.engine import LocalSpec, TrainResult
 from flockfl.faults import maybe_crash
-from flockfl.stages.curriculum import URI_LOADERS
 from flockfl.state import ServerState, load_latest, save_checkpoint
 
 _quiet = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -34,7 +33,8 @@ def _mlflow_params(uri: str) -> dict:
     return {n: p.detach() for n, p in net.named_parameters()}
 
 
-URI_LOADERS.update({"models:/": _mlflow_params, "runs:/": _mlflow_params})
+# the model URIs a run's config may name (curriculum.expert), read with MLflow (flockfl.inputs)
+READERS = {"models:/": _mlflow_params, "runs:/": _mlflow_params}
 
 # Seconds spent inside task bodies, so the flow can report what orchestration itself costs
 # (round wall time minus time in the bodies).
@@ -57,7 +57,7 @@ def timed(fn):
 @timed
 def partition(cfg, partitions_root: str) -> rounds.PreparedRun:
     """Load the dataset and build the partition, or load it from its content-addressed file."""
-    return rounds.prepare(cfg, partitions_root)
+    return rounds.prepare(cfg, partitions_root, readers=READERS)
 
 
 @task(name="restore", **_quiet)

@@ -404,6 +404,37 @@ def test_s_E_reads_a_pt_file_and_a_checkpoint_and_a_missing_file_is_one_line(tmp
     assert "\n" not in str(err.value)
 
 
+def test_s_E_reads_an_mlflow_model_uri_through_the_readers_the_flow_passes(tmp_path):
+    """The expert is one of the run's input files (``Stage.input_files``, read by the
+    preparation like an algorithm's): an MLflow ``runs:/`` URI of a real SQLite store is read
+    with the readers ``flockfl run`` passes (tasks.READERS), and the plain loop, given none, says
+    in one line how to read it."""
+    import mlflow
+    import mlflow.pytorch
+    from models import build_model, init_params
+
+    import tasks
+
+    cfg = cfg_of({"ordering": "curr", "scoring": "s_E", "expert": "global"}, rounds=1)
+    net = build_model("mlp", (1, 8, 8), 10, 16)
+    want = init_params(net, torch_generator(7, purpose="expert"))
+    net.load_state_dict(want, strict=False)
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with mlflow.start_run() as run:
+        mlflow.pytorch.log_model(net, name="expert", serialization_format="pickle", pip_requirements=[])
+    uri = f"runs:/{run.info.run_id}/expert"
+    c = {"ordering": "curr", "scoring": "s_E", "expert": uri}
+    prep = prepare(cfg_of(c, rounds=1), tmp_path, readers=tasks.READERS)
+    got = prep.stages["curriculum"].expert(prep.ctx)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v.float())
+    assert np.isfinite(run_rounds(prep).history[-1]["accuracy"])
+    with pytest.raises(ConfigError, match=r"curriculum.expert: 'runs:/.*pass readers= to flockfl.rounds.prepare") as err:
+        prepare(cfg_of(c, rounds=1), tmp_path)
+    assert "\n" not in str(err.value)
+    assert cfg.curriculum.expert == "global" and prepare(cfg, tmp_path).ctx.inputs == {}  # nothing to read
+
+
 # ---------------------------------------------------------------------- 9. Algorithm 2
 
 

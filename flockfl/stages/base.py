@@ -41,6 +41,11 @@ class Stage:
         """Whether this run uses the stage (its config section is not off)."""
         return False
 
+    def input_files(self) -> dict[str, str]:
+        """The files (or model URIs) this stage's config names, ``section.key`` → source: the run's
+        preparation reads each into ``ctx.inputs[key]`` (:mod:`flockfl.inputs`), as an algorithm's."""
+        return {}
+
     def sync(self, ctx: "RunContext", state: "ServerState") -> None:
         """Before selection and before evaluation: bring ``ctx`` in line with ``state``."""
 

@@ -44,8 +44,7 @@ rows live in ``state.algo['curriculum']`` (one model per client that has trained
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -58,7 +57,7 @@ from flockfl.rng import np_rng
 from flockfl.clientstate import ClientTable
 from flockfl.errors import ConfigError
 from flockfl.stages.base import Stage, log_mean
-from flockfl.state import MAGIC, decode_state, log_round
+from flockfl.state import log_round
 
 EPS = 1e-8
 
@@ -76,7 +75,6 @@ class Curriculum(Stage):
     def __init__(self, cfg, model=None):
         self.cfg = cfg
         self.c = cfg.curriculum
-        self._expert: Optional[dict[str, torch.Tensor]] = None
 
     @property
     def data_on(self) -> bool:
@@ -108,11 +106,16 @@ class Curriculum(Stage):
         return self.c.client_ordering or (self.c.ordering if self.c.ordering != "vanilla" else "curr")
 
     # ------------------------------------------------------------------ models
+    def input_files(self) -> dict[str, str]:
+        """θ_E, when s_E scores with a model of its own (``expert=global``: the server's model)."""
+        c = self.c
+        if c.expert == "global" or not (c.scoring == "s_E" or (c.clients and c.client_scoring == "s_E")):
+            return {}
+        return {"curriculum.expert": c.expert}
+
     def expert(self, ctx) -> dict[str, torch.Tensor]:
-        """θ_E as a parameter dict (loaded once from ``curriculum.expert``)."""
-        if self._expert is None:
-            self._expert = load_expert(self.c.expert, ctx.model)
-        return self._expert
+        """θ_E as a parameter dict (``curriculum.expert``, read by the run's preparation)."""
+        return ctx.inputs["curriculum.expert"]
 
     # ------------------------------------------------------------------ client curriculum
     # ------------------------------------------------------------------ stage hooks
@@ -284,40 +287,3 @@ def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clien
     return loss
 
 
-# readers of model URIs by prefix ("models:/", "runs:/"): the tasks layer (tasks/__init__.py)
-# registers MLflow's, so the library itself never imports MLflow
-URI_LOADERS: dict[str, Callable[[str], dict[str, torch.Tensor]]] = {}
-
-
-def load_expert(source: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """θ_E from an MLflow model URI (``models:/``, ``runs:/``), a flockfl checkpoint or a
-    ``.pt`` parameter dict; a one-line error when it cannot be read or does not fit."""
-    from flockfl.errors import ConfigError
-
-    want = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    if source == "global":
-        raise ConfigError("curriculum.expert: s_E needs an expert model; set curriculum.expert to an MLflow model URI "
-                          "(models:/NAME/VERSION) or a .pt file, or use scoring=s_G")
-    scheme = next((s for s in URI_LOADERS if source.startswith(s)), None)
-    if source.startswith(("models:/", "runs:/")) and scheme is None:
-        raise ConfigError(f"curriculum.expert: {source!r} is an MLflow model URI, which flockfl run reads "
-                          "(tasks/__init__.py registers the loader); run through flockfl, or give a .pt file")
-    try:
-        if scheme is not None:
-            params = URI_LOADERS[scheme](source)
-        else:
-            path = Path(source)
-            raw = path.read_bytes()
-            if raw.startswith(MAGIC):  # a flockfl checkpoint: its (first) model
-                params = {k: v[0] for k, v in decode_state(raw, str(path)).models.items()}
-            else:
-                params = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - one line for the user, whatever the loader raised
-        raise ConfigError(f"curriculum.expert: cannot load {source!r} ({type(err).__name__}: {str(err).splitlines()[0][:120]}); "
-                          "give an MLflow model URI or a .pt file of this model's parameters") from None
-    got = {n: tuple(v.shape) for n, v in params.items()}
-    if got != want:
-        raise ConfigError(f"curriculum.expert: {source!r} does not fit model.name (parameters {sorted(got)[:3]}… vs "
-                          f"{sorted(want)[:3]}…); train the expert with the same model")
-    device = next(model.parameters()).device
-    return {k: v.to(device=device, dtype=torch.float32) for k, v in params.items()}
