@@ -56,6 +56,7 @@ from flockfl.engine.schedule import LocalSpec
 from flockfl.rng import np_rng
 from flockfl.clientstate import ClientTable
 from flockfl.errors import ConfigError
+from flockfl.evaluation import own_cluster_metrics
 from flockfl.stages.base import Stage, log_mean
 from flockfl.state import log_round
 
@@ -281,8 +282,6 @@ def _loss_pred(ctx, params: dict[str, torch.Tensor], x, y, task) -> tuple[np.nda
 @torch.no_grad()
 def client_losses(ctx, models: dict[str, torch.Tensor], which: np.ndarray, clients: np.ndarray) -> np.ndarray:
     """L_k (Eq. 2.1): each client's mean training loss under model ``which[i]``."""
-    from flockfl.evaluation import own_cluster_metrics
-
     loss, _, _ = own_cluster_metrics(ctx.model, models, which, ctx.data.train, clients, ctx.data.task)
     return loss
 

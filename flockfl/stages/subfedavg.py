@@ -59,7 +59,11 @@ import torch
 
 from flockfl.client import finetune_epochs, pass_spec, train_pass
 from flockfl.clientstate import ClientTable, chunks
+from flockfl.engine.evaluate import strided_pooling
+from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
+from flockfl.eval_protocol import ClientMetrics, family, protocol
+from flockfl.evaluation import measure_own, own_model_metrics
 from flockfl.engine.trainers import calibrate_bn, stat_names
 from flockfl.stages.masks import (apply_masks, changed_rows, first_mask_steps, flag_rows, hamming, magnitude_masks,
                                   subnet_key, thesis_comm_bytes)
@@ -212,7 +216,6 @@ class SubFedAvg:
     def subnet_metrics(ctx, params: dict, clients: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Test loss, accuracy and sizes of each client's subnetwork (row i for ``clients[i]``),
         with BN statistics recomputed on the client's own training data (on a copy)."""
-        from flockfl.evaluation import own_model_metrics
 
         params = {k: v.clone() for k, v in params.items()}
         calibrate_bn(ctx.model, params, ctx.data.train, clients)
@@ -310,9 +313,6 @@ class SubFedAvg:
         """Each federating client with its own subnetwork (its model ⊙ its mask, with its own
         BN statistics): ``accuracy_pruned``; after ``train.finetune_epochs`` of masked local
         training: ``accuracy_pruned_finetuned``; and the sparsity reached."""
-        from flockfl.engine.functional import index_params
-        from flockfl.eval_protocol import ClientMetrics, family, protocol
-        from flockfl.evaluation import measure_own
 
         ctx, t = prep.ctx, prep.cfg.train
         device = ctx.data.train.x.device
@@ -337,7 +337,6 @@ class SubFedAvg:
         """The subnetworks (a copy) with each client's BN statistics recomputed over its own
         training data, only where its subnetwork or its data changed since the client's last
         evaluation (the statistics are a pure function of the two: reusing them is exact)."""
-        from flockfl.engine.evaluate import strided_pooling
 
         stats = [k for k in stat_names(ctx.model) if k in params]
         params = {k: v.clone() for k, v in params.items()}
