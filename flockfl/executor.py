@@ -105,7 +105,9 @@ _SPEC_TENSORS = ("init", "prox_anchor", "correction", "momentum_init", "masks", 
 
 
 def map_spec(spec: LocalSpec, fn) -> LocalSpec:
-    return dataclasses.replace(spec, **{f: _map_tensors(getattr(spec, f), fn) for f in _SPEC_TENSORS})
+    second = spec.second and dataclasses.replace(spec.second, rows=_map_tensors(spec.second.rows, fn),
+                                                 anchor=_map_tensors(spec.second.anchor, fn))
+    return dataclasses.replace(spec, second=second, **{f: _map_tensors(getattr(spec, f), fn) for f in _SPEC_TENSORS})
 
 
 def map_result(result: TrainResult, fn) -> TrainResult:
