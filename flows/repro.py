@@ -21,11 +21,11 @@ A table is a file ``configs/repro/<name>.yaml`` (``flockfl repro --list`` names 
   paper's code measured that method another way, e.g. a cluster model as served); the compared
   value is marked ``*`` in the printed table.
 
-Every cell × seed is one child run of ``flockfl sweep``'s machinery (flows/sweep.py): one Prefect
-API and one MLflow store, the children nested under one MLflow parent run, which also gets the
-table (``repro/table.md``, ``repro/table.json``). Running the same command again continues it:
-finished cells are kept, interrupted ones resume from their checkpoints. Nothing is tuned per
-table: the rows take the registry's defaults except where the paper states a value.
+Every cell × seed is one child run of ``flockfl sweep``'s machinery (flows/sweep_plan.py,
+flows/sweep_run.py): one Prefect API and one MLflow store, the children nested under one MLflow
+parent run, which also gets the table (``repro/table.md``, ``repro/table.json``). The same command
+again continues it: finished cells are kept, interrupted ones resume from their checkpoints. Nothing
+is tuned per table: the rows take the registry's defaults except where the paper states a value.
 
 Before anything runs, the command prints the number of cells and runs at the chosen budget and
 checks that the data of every cell is there (a missing dataset is one line naming it and the
@@ -183,7 +183,7 @@ class ReproPlan:
     overrides: list[str]
     out: Path
     base_file: Path
-    sweep: Any = None  # flows.sweep.Plan
+    sweep: Any = None  # flows.sweep_plan.Plan
 
     def cells(self) -> list[tuple[str, str, list[str]]]:
         t = self.table
@@ -213,7 +213,7 @@ def plan_repro(name: str, budget: Optional[str], seeds: Optional[list[int]], row
                cols: Optional[list[str]], overrides: list[str], params: str, out: Optional[str] = None) -> ReproPlan:
     """Every cell × seed, validated before anything runs (a bad cell is a one-line ConfigError)."""
     from flockfl.errors import ConfigError
-    from flows.sweep import plan_sweep
+    from flows.sweep_plan import plan_sweep
 
     t = load_table(name)
     budget = budget or t.default_budget
@@ -480,7 +480,7 @@ def cmd_repro(args) -> int:
             print(f"- {child.key}: {' '.join(child.overrides)}")
         print(f"\ndata: {missing}" if missing else "\ndata: every cell's dataset is there")
         return 0
-    from flows.sweep import run_sweep
+    from flows.sweep_run import run_sweep
 
     lock, estimated = threading.Lock(), []
 
