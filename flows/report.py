@@ -36,7 +36,7 @@ HISTORY_KEYS = ("accuracy", "loss", "ari", "comm_bytes", "sim_time", "bytes_tota
 FIGURES = ("accuracy_per_round.png", "ari_per_round.png", "cluster_assignments.png",
            "accuracy_vs_comm.png", "accuracy_vs_sim_time.png", AUTO_FIGURE)
 OUTPUTS = ("report.md", "report.html", "final_metrics.csv", "combination_metrics.csv", "auto_choices.csv", *FIGURES)
-AUTO_ARTIFACT = "auto_choices.json"  # what flows.experiment logs for algorithm.*=auto: {"decisions": [...]}
+AUTO_ARTIFACT = "auto_choices.json"  # what flows.run_tracking logs for algorithm.*=auto: {"decisions": [...]}
 
 
 def add_parser(sub) -> None:

@@ -22,8 +22,9 @@ from typing import Optional
 from flockfl.data.store import build_partition
 from flockfl.errors import UserError
 from flockfl.state import list_checkpoints
-from flows.experiment import execute, settle
+from flows.experiment import execute
 from flows.interrupt import interrupted, sigint_seen, watch
+from flows.run_tracking import settle
 from flows.rundir import read_run_file
 from flows.sweep_plan import Child, Plan
 from flows.sweep_table import aggregate, sweep_table
