@@ -2,8 +2,9 @@
 holds it as typed fields, built from the finished run by :meth:`RunRecord.of`, and
 :meth:`RunRecord.to_json` writes it as the dict the flow returns (its keys, their order and
 values are a contract: the CLI, sweeps, schedules, DVC's metrics file and the benchmarks read
-them). Also the notes a configuration makes of its method (:func:`method_notes`), shown in the
-summary and on the MLflow run."""
+them); :func:`summary_lines`, what ``flockfl run`` prints of it without ``--json``. Also the
+notes a configuration makes of its method (:func:`method_notes`), shown in the summary and on
+the MLflow run."""
 
 from __future__ import annotations
 
@@ -155,3 +156,47 @@ class RunRecord:
             if key is None or getattr(self, key) is not None:
                 out[f.name] = getattr(self, f.name)
         return out
+
+
+def summary_lines(s: dict) -> list[str]:
+    """The run's summary as people read it: at most about 12 lines (``--json`` has everything)."""
+    m = s.get("metrics", {})
+
+    def num(key: str, label: str = "") -> str:
+        v = m.get(key)
+        return f"{label or key} {v:.4f}" if isinstance(v, float) else (f"{label or key} {v}" if v is not None else "")
+
+    def line(label: str, *parts: str) -> None:
+        parts = [p for p in parts if p]
+        if parts:
+            lines.append(f"  {label.ljust(10)}  {'  '.join(parts)}")
+
+    proto = s.get("protocol") or {}
+    how = ", ".join(str(proto[k]) for k in ("test_set", "average", "report") if proto.get(k))
+    rs = s.get("round_s_median", float("nan"))
+    lines = [f"{s.get('experiment')}: {s.get('algorithm') or ''} {s.get('rounds')} rounds in {s.get('wall_s', 0):.1f} s"
+             f" ({rs:.3f} s a round, {s.get('engine') or '?'} trainer)".replace(":  ", ": ")]
+    line("accuracy", num("accuracy", "mean").removeprefix("mean "), num("accuracy_p10", "p10"), num("accuracy_min", "min"),
+         num("loss"), f"[{how}]" if how else "")
+    line("personal", num("accuracy_personal", "mean").removeprefix("mean "), num("accuracy_personal_p10", "p10"))
+    line("global", num("accuracy_global", "mean").removeprefix("mean "))
+    line("finetuned", num("accuracy_finetuned", "mean").removeprefix("mean "), num("accuracy_finetuned_p10", "p10"))
+    line("pruned", num("accuracy_pruned", "mean").removeprefix("mean "), num("sparsity"))
+    if "num_clusters" in m:
+        line("clusters", str(m["num_clusters"]), num("ari", "ARI"), num("nmi", "NMI"))
+    if s.get("target_accuracy") is not None:
+        hit = s.get("rounds_to_target")
+        line("target", f"accuracy {s['target_accuracy']}: " + (
+            f"reached at round {hit}, sim_time {s['sim_time_to_target']:.1f}s" if hit else "not reached"))
+    for note in s.get("notes", []):
+        line("note", note)
+    if s.get("clients_dropped"):
+        line("dropped", f"{s['clients_dropped']} client trainings failed and were dropped (see --json)")
+    for w in s.get("checkpoint_warnings", [])[:2]:
+        lines.append(f"  warning: {w}")
+    line("run dir", str(s.get("run_dir")))
+    if s.get("run_id"):
+        line("MLflow", f"run {s['run_id'][:12]}…", f"browse: flockfl ui --tracking-uri {s.get('tracking_uri')} "
+                                                    f"--experiment {s.get('mlflow_experiment') or s.get('experiment')}")
+    lines.append("  (every metric and convention: flockfl run ... --json, or the MLflow run)")
+    return lines
