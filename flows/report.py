@@ -27,8 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from flows.render import (AUTO_FIGURE, AUTO_HEADING, RunSummary, _sections, auto_table, combination_table, combinations,
-                          draw_figures, markdown_table, render_html, render_markdown, run_table, write_csvs)
+from flows.render import (AUTO_FIGURE, AUTO_HEADING, RunSummary, auto_table, combination_table, combinations, markdown_table,
+                          run_table, write_csvs)
+from flows.render_documents import _sections, render_html, render_markdown
+from flows.render_figures import draw_figures
 
 COMBO_TAG = "flockfl.sweep.combo"
 SEED_TAG = "flockfl.seed"
