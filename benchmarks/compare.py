@@ -2,10 +2,10 @@
 
 Every algorithm runs through the real experiment flow (Prefect, checkpoints, MLflow), as a
 nested MLflow run under one parent run, all in this one process: this is ``flockfl sweep``'s
-machinery (flows/sweep.py) with one named variant per algorithm. Running the same command
-again continues an interrupted comparison. Columns: final and best mean client accuracy, final
-10th-percentile client accuracy, rounds and simulated time to the target accuracy, wall
-seconds.
+machinery (flows/sweep_plan.py, flows/sweep_run.py) with one named variant per algorithm.
+Running the same command again continues an interrupted comparison. Columns: final and best
+mean client accuracy, final 10th-percentile client accuracy, rounds and simulated time to the
+target accuracy, wall seconds.
 
 Examples:
   python benchmarks/compare.py --base digits_dirichlet            # offline, bundled digits
@@ -49,9 +49,11 @@ def run_variants(base_ref: str, variants: list[tuple[str, list[str]]], overrides
     ConfigError before anything runs; the same call again continues an interrupted comparison."""
     from mlflow.tracking import MlflowClient
 
-    from flows.sweep import plan_sweep, run_sweep
+    from flows.sweep_plan import plan_sweep
 
     plan = plan_sweep(base_ref, [], None, overrides, params, variants=variants)
+    from flows.sweep_run import run_sweep
+
     base = plan.base
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     result = run_sweep(plan, Path("runs") / f"compare-{base.name}-{plan.digest[:10]}", tracking_uri, "data/partitions",

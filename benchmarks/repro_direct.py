@@ -43,14 +43,15 @@ def main(argv=None) -> int:
 
     from flockfl.eval_summary import summarise
     from flockfl.rounds import prepare, run_rounds
-    from flows import repro
+    from flows.repro_plan import plan_repro
+    from flows.repro_render import describe_setting, render
 
     overrides = [*args.overrides, f"train.device={args.device}", "tracking.enabled=false"]
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        plan = repro.plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, overrides,
-                                str(ROOT / "params.yaml"), tmp)
-        print(f"## {plan.table.title}\n\n{repro.describe_setting(plan)}\n", flush=True)
+        plan = plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, overrides,
+                          str(ROOT / "params.yaml"), tmp)
+        print(f"## {plan.table.title}\n\n{describe_setting(plan)}\n", flush=True)
         lock = threading.Lock()
 
         def run(child) -> None:
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
         else:
             for child in plan.sweep.children:
                 run(child)
-        text, data = repro.render(plan)
+        text, data = render(plan)
     print(f"\n{text}\n")
     for source, v in data["within_tolerance"].items():
         print(f"{v['within']} of {v['of']} cells within ±{v['points']:g} points of {source}")

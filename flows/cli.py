@@ -3,6 +3,10 @@
 Every user error (bad config, missing data, corrupt checkpoint, unknown run) exits with
 code 2 and one line on stderr. Unexpected errors exit 1 with one line; the traceback is
 kept in ``<run-dir>/error.log`` (or printed with ``FLOCKFL_DEBUG=1``).
+
+Here: the parser, ``run``, ``resume`` and ``partition``, and :func:`main`. The other commands
+live in their own modules (``flockfl list``: flows/listing.py, ``flockfl sweep``: flows/sweep.py,
+…); what ``flockfl run`` prints without ``--json``: flows/run_summary.py.
 """
 
 from __future__ import annotations
@@ -19,8 +23,6 @@ from flockfl.errors import UserError
 from flows.env import configure_environment
 
 EXIT_USAGE = 2
-# what `flockfl list WHAT` lists; `experiments` and `partitions` need a project (a params.yaml)
-LISTS = ("algorithms", "experiments", "partitions", "datasets", "schemes", "models", "stages")
 # path options whose relative values are the user's (made absolute before flockfl moves to the
 # project's root); their defaults stay relative, i.e. relative to the root
 PATH_OPTIONS = ("params", "partitions", "run_dir", "metrics_file", "out", "sweep_dir", "runs_root")
@@ -51,19 +53,11 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--out", default="data/partitions", help="partitions folder")
     part.add_argument("--json", action="store_true")
 
-    lst = sub.add_parser("list", help="what there is to run: the project's experiments and partitions, the methods by "
-                                      "family, datasets, schemes, models and stages; flockfl list ALGORITHM shows its "
-                                      "paper, hyper-parameters and stages; flockfl list curriculum|pruning|shift a stage's keys")
-    lst.add_argument("algorithm", nargs="?", metavar="WHAT",
-                     help=f"one of {', '.join(LISTS)}, or an algorithm or stage name")
-    lst.add_argument("--params", default="params.yaml")
-    lst.add_argument("--json", action="store_true")
-    lst.add_argument("--markdown", action="store_true", help="the algorithm table of docs/algorithms.md")
     # commands that live in their own modules: each module's add_parser(sub) registers its
     # subcommand(s) and sets ``handler`` (args -> int exit code); the modules stay light at import
-    from flows import repro, report, schedule, server, sweep, ui
+    from flows import listing, repro, report, schedule, server, sweep, ui
 
-    for mod in (sweep, repro, report, schedule, server, ui):
+    for mod in (listing, sweep, repro, report, schedule, server, ui):
         mod.add_parser(sub)
     return p
 
@@ -155,134 +149,7 @@ def cmd_partition(args) -> dict:
             "num_clients": s["num_clients"], "size_stats": s["size_stats"], "label_skew_tv": s.get("label_skew_tv")}
 
 
-def cmd_list(args) -> dict:
-    from flockfl.algorithms import ALGORITHMS, FAMILIES, describe
-    from flockfl.errors import did_you_mean
-    from flockfl.reference import describe_stage
-    from flockfl.stages import STAGES
-
-    stages = [cls.name for cls in STAGES]
-    what = args.algorithm
-    if what in LISTS:
-        return {what: _listing(what, args)}
-    if what:
-        if what in stages:
-            return describe_stage(what)
-        if what not in ALGORITHMS:
-            raise UserError(f"unknown algorithm or stage {what!r}{did_you_mean(what, [*ALGORITHMS, *stages, *LISTS])}; "
-                            f"choose one of {', '.join(sorted(ALGORITHMS))}, a stage ({', '.join(stages)}), or one of "
-                            f"{', '.join(LISTS)}")
-        return {"family": ALGORITHMS[what].family, **describe(what)}
-    if args.project_root is None:
-        from flockfl.experiments import no_project_error
-
-        raise no_project_error(what=" to list its experiments and partitions (flockfl list algorithms|datasets|"
-                                    "schemes|models|stages work anywhere)")
-    out = {k: list(_listing(k, args)) for k in LISTS}
-    out["families"] = {f: [n for n in sorted(ALGORITHMS) if ALGORITHMS[n].family == f] for f in FAMILIES}
-    return out
-
-
-def _listing(what: str, args) -> dict[str, str]:
-    """One of `flockfl list`'s lists: each name with a line about it."""
-    if what in ("experiments", "partitions"):
-        from flockfl.experiments import load_params
-
-        entries = load_params(args.params).get(what) or {}
-        if what == "partitions":
-            return {k: _partition_line(v) for k, v in sorted(entries.items())}
-        return {k: f"{((v or {}).get('algorithm') or {}).get('name', 'fedavg')} on "
-                   f"{((v or {}).get('partition') or {}).get('name') or ((v or {}).get('dataset') or {}).get('name', '?')}"
-                for k, v in sorted(entries.items())}
-    if what == "algorithms":
-        from flockfl.algorithms import ALGORITHMS
-
-        return {n: f"[{c.family}] {c.paper}" for n, c in sorted(ALGORITHMS.items())}
-    if what == "stages":
-        from flockfl.stages import STAGES
-
-        return {c.name: _first_line(c) for c in STAGES}
-    if what == "datasets":
-        from flockfl.data.datasets import LOADERS as table
-    elif what == "schemes":
-        from flockfl.data.schemes import SCHEMES as table
-    else:
-        from models import MODELS as table
-    return {n: _first_line(v) for n, v in table.items()}
-
-
-def _partition_line(v: dict) -> str:
-    v = v or {}
-    part = v.get("partition") or {}
-    return f"{(v.get('dataset') or {}).get('name', '?')}, {part.get('scheme', '?')}" + (
-        f", {part['num_clients']} clients" if "num_clients" in part else "")
-
-
-def _first_line(obj, width: int = 110) -> str:
-    """The first sentence of ``obj``'s docstring, cut to ``width`` characters."""
-    doc = " ".join((getattr(obj, "__doc__", None) or "").strip().split("\n\n")[0].split())
-    end = doc.find(". ")
-    doc = doc[: end + 1] if 0 < end else doc
-    return doc if len(doc) <= width else doc[: width - 1].rstrip() + "…"
-
-
-# ---------------------------------------------------------------------- output
-
-
-def summary_lines(s: dict) -> list[str]:
-    """The run's summary as people read it: at most about 12 lines (``--json`` has everything)."""
-    m = s.get("metrics", {})
-
-    def num(key: str, label: str = "") -> str:
-        v = m.get(key)
-        return f"{label or key} {v:.4f}" if isinstance(v, float) else (f"{label or key} {v}" if v is not None else "")
-
-    def line(label: str, *parts: str) -> None:
-        parts = [p for p in parts if p]
-        if parts:
-            lines.append(f"  {label.ljust(10)}  {'  '.join(parts)}")
-
-    proto = s.get("protocol") or {}
-    how = ", ".join(str(proto[k]) for k in ("test_set", "average", "report") if proto.get(k))
-    rs = s.get("round_s_median", float("nan"))
-    lines = [f"{s.get('experiment')}: {s.get('algorithm') or ''} {s.get('rounds')} rounds in {s.get('wall_s', 0):.1f} s"
-             f" ({rs:.3f} s a round, {s.get('engine') or '?'} trainer)".replace(":  ", ": ")]
-    line("accuracy", num("accuracy", "mean").removeprefix("mean "), num("accuracy_p10", "p10"), num("accuracy_min", "min"),
-         num("loss"), f"[{how}]" if how else "")
-    line("personal", num("accuracy_personal", "mean").removeprefix("mean "), num("accuracy_personal_p10", "p10"))
-    line("global", num("accuracy_global", "mean").removeprefix("mean "))
-    line("finetuned", num("accuracy_finetuned", "mean").removeprefix("mean "), num("accuracy_finetuned_p10", "p10"))
-    line("pruned", num("accuracy_pruned", "mean").removeprefix("mean "), num("sparsity"))
-    if "num_clusters" in m:
-        line("clusters", str(m["num_clusters"]), num("ari", "ARI"), num("nmi", "NMI"))
-    if s.get("target_accuracy") is not None:
-        hit = s.get("rounds_to_target")
-        line("target", f"accuracy {s['target_accuracy']}: " + (
-            f"reached at round {hit}, sim_time {s['sim_time_to_target']:.1f}s" if hit else "not reached"))
-    for note in s.get("notes", []):
-        line("note", note)
-    if s.get("clients_dropped"):
-        line("dropped", f"{s['clients_dropped']} client trainings failed and were dropped (see --json)")
-    for w in s.get("checkpoint_warnings", [])[:2]:
-        lines.append(f"  warning: {w}")
-    line("run dir", str(s.get("run_dir")))
-    if s.get("run_id"):
-        line("MLflow", f"run {s['run_id'][:12]}…", f"browse: flockfl ui --tracking-uri {s.get('tracking_uri')} "
-                                                    f"--experiment {s.get('mlflow_experiment') or s.get('experiment')}")
-    lines.append("  (every metric and convention: flockfl run ... --json, or the MLflow run)")
-    return lines
-
-
-def _print_algorithm(d: dict) -> None:
-    print(f"{d['name']} ({d.get('family')}{', from ' + d['origin'] if d.get('origin') not in (None, 'built-in') else ''}): "
-          f"{d['paper']}")
-    print(f"stages it overrides: {', '.join(d['stages']) or 'none (FedAvg)'}")
-    print("hyper-parameters (key, default, allowed, symbol, source of the default, meaning [which value, where]):")
-    rows = [(h["key"], repr(h["default"]), h["allowed"], h["symbol"], h.get("source") or "–",
-             h["meaning"] + (f" [{h['source_note']}]" if h.get("source_note") else "")) for h in d["hyperparameters"]]
-    widths = [max(len(r[i]) for r in rows) for i in range(5)] if rows else []
-    for r in rows:
-        print("  " + "  ".join(r[i].ljust(widths[i]) for i in range(5)) + "  " + r[5])
+# ---------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(out, default=str))
             else:
+                from flows.run_summary import summary_lines
+
                 print("\n".join(summary_lines(out)))
         elif args.command == "partition":
             out = cmd_partition(args)
@@ -324,21 +193,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"sizes {out['size_stats']}, sha256 {out['content_hash'][:16]}…")
         elif getattr(args, "handler", None):
             return int(args.handler(args) or 0)
-        elif args.command == "list":
-            if args.markdown:
-                from flockfl.algorithms import algorithm_table
-
-                print(algorithm_table())
-                return 0
-            out = cmd_list(args)
-            if args.json:
-                print(json.dumps(out, default=str))
-            elif args.algorithm in LISTS:
-                _print_names(out[args.algorithm])
-            elif args.algorithm:
-                _print_algorithm(out)
-            else:
-                _print_overview(out)
     except (FlockError, ApiServerError) as err:
         print(f"flockfl: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -410,22 +264,6 @@ def _error_log(args) -> Path:
     path = folder / f"{args.command}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     path.write_text(traceback.format_exc())
     return path.resolve()
-
-
-def _print_names(entries: dict[str, str]) -> None:
-    width = max((len(k) for k in entries), default=0)
-    for k, v in entries.items():
-        print(f"  {k.ljust(width)}  {v}" if v else f"  {k}")
-
-
-def _print_overview(out: dict) -> None:
-    for key in ("experiments", "partitions"):
-        print(f"{key}: {', '.join(out[key]) or '(none in params.yaml)'}")
-    print("algorithms (flockfl list ALGORITHM for its paper and keys):")
-    for fam, names in out["families"].items():
-        print(f"  {fam.ljust(12)}  {', '.join(names)}")
-    for key in ("datasets", "schemes", "models", "stages"):
-        print(f"{key}: {', '.join(out[key])}")
 
 
 def _process_start() -> float:

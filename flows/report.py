@@ -27,8 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from flows.render import (AUTO_FIGURE, AUTO_HEADING, RunSummary, _sections, auto_table, combination_table, combinations,
-                          draw_figures, markdown_table, render_html, render_markdown, run_table, write_csvs)
+from flows.render import (AUTO_FIGURE, AUTO_HEADING, RunSummary, auto_table, combination_table, combinations, markdown_table,
+                          run_table, write_csvs)
+from flows.render_documents import _sections, render_html, render_markdown
+from flows.render_figures import draw_figures
 
 COMBO_TAG = "flockfl.sweep.combo"
 SEED_TAG = "flockfl.seed"
@@ -36,7 +38,7 @@ HISTORY_KEYS = ("accuracy", "loss", "ari", "comm_bytes", "sim_time", "bytes_tota
 FIGURES = ("accuracy_per_round.png", "ari_per_round.png", "cluster_assignments.png",
            "accuracy_vs_comm.png", "accuracy_vs_sim_time.png", AUTO_FIGURE)
 OUTPUTS = ("report.md", "report.html", "final_metrics.csv", "combination_metrics.csv", "auto_choices.csv", *FIGURES)
-AUTO_ARTIFACT = "auto_choices.json"  # what flows.experiment logs for algorithm.*=auto: {"decisions": [...]}
+AUTO_ARTIFACT = "auto_choices.json"  # what flows.run_tracking logs for algorithm.*=auto: {"decisions": [...]}
 
 
 def add_parser(sub) -> None:

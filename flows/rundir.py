@@ -23,6 +23,12 @@ def write_run_file(run_dir: Path, info: dict) -> None:
     atomic_write(Path(run_dir) / RUN_FILE, json.dumps(info, indent=1, sort_keys=True).encode())
 
 
+def run_key(run_dir) -> str:
+    """A run directory as the key of this process's tables of runs (their core leases, their
+    tracking still closing): its resolved path."""
+    return str(Path(run_dir).resolve())
+
+
 def run_identity(config: Optional[dict]) -> Optional[dict]:
     """What makes two configs the same run: everything but ``executor`` (where the shards train
     never changes results, so a run started locally may continue on a Dask cluster)."""

@@ -189,7 +189,7 @@ def test_every_builtin_loader_and_scheme_has_a_docstring_sentence():
     from flockfl.data.datasets import LOADERS
     from flockfl.data.schemes import SCHEMES
     from flockfl.reference import builtin
-    from flows.cli import _first_line
+    from flows.listing import _first_line
 
     for registry in (LOADERS, SCHEMES):
         for name, fn in builtin(registry).items():

@@ -110,7 +110,7 @@ def test_flock_list_prints_the_source_of_every_default(workdir):
 
 
 def test_flock_list_text_has_a_source_column_with_the_note(workdir):
-    """The table ``flockfl list ALGORITHM`` prints (flows/cli.py's ``_print_algorithm``) shows each
+    """The table ``flockfl list ALGORITHM`` prints (flows/listing.py's ``_print_algorithm``) shows each
     default's source and, after the meaning, which value or script it is."""
     text = run_flock(["list", "pacfl"], workdir, timeout=120)
     assert text.returncode == 0, text.stderr

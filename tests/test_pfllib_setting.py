@@ -235,17 +235,18 @@ def test_the_pfllib_table_is_covered_by_the_generic_repro_checks(tmp_path):
     """tests/test_repro.py validates every cell of every budget of every table in configs/repro/;
     here, what this table must hold: PFLlib's setting and numbers, a cpu budget (a tenth of the data)
     and cpu_full (all of it, 5 rounds)."""
-    from flows import repro
+    from flows.repro_plan import plan_repro
+    from flows.repro_tables import load_table, table_names
 
-    assert "pfllib_fmnist" in repro.table_names()
-    t = repro.load_table("pfllib_fmnist")
+    assert "pfllib_fmnist" in table_names()
+    t = load_table("pfllib_fmnist")
     assert list(t.rows) == ["FedAvg", "Per-FedAvg", "pFedMe", "Ditto", "APFL", "FedPer", "FedRep", "FedBABU",
                             "Per-FedAvg (PFLlib)", "APFL (PFLlib)", "Ditto (PFLlib)", "Local", "FedAvg+FT"]
     assert list(t.columns) == ["pathological", "Dir(0.1)"] and set(t.budgets) == {"paper", "cpu", "cpu_full"}
     assert t.budgets["cpu_full"] == {"train": {"rounds": 5, "eval_every": 1}}  # PFLlib's full data, 5 rounds
     assert t.published["PFLlib"]["FedRep"] == {"pathological": [99.56, 0.03], "Dir(0.1)": [97.56, 0.04]}
     assert t.tolerance == {"PFLlib": 2.0} and t.conventions[0]["metric"] == ["accuracy_finetuned", "accuracy"]
-    plan = repro.plan_repro("pfllib_fmnist", "paper", [0], None, None, [], "params.yaml", str(tmp_path))
+    plan = plan_repro("pfllib_fmnist", "paper", [0], None, None, [], "params.yaml", str(tmp_path))
     for child in plan.sweep.children:
         c = child.cfg
         assert (c.partition.num_clients, c.train.clients_per_round, c.train.rounds) == (20, 20, 2000)
@@ -260,9 +261,9 @@ def test_the_pfllib_rows_run_pfllibs_rules_beside_the_papers(tmp_path):
     """The '(PFLlib)' rows set the PFLlib variants (n_i weights, as PFLlib), the paper rows keep the
     registry's rules; 'Local' trains alone; 'FedAvg+FT' fine-tunes before every evaluation and is
     read through accuracy_finetuned (the conventions take the first metric a run has)."""
-    from flows import repro
+    from flows.repro_plan import plan_repro
 
-    plan = repro.plan_repro("pfllib_fmnist", "cpu", [0], None, ["pathological"], [], "params.yaml", str(tmp_path))
+    plan = plan_repro("pfllib_fmnist", "cpu", [0], None, ["pathological"], [], "params.yaml", str(tmp_path))
     assert len(plan.sweep.children) == 13
     by_algo = {}
     for child in plan.sweep.children:

@@ -89,7 +89,8 @@ def test_panels_share_one_scale_and_curves_use_cluster_colours(monkeypatch, tmp_
 
 
 def test_combination_mean_and_band_are_over_seeds():
-    from flows.render import RunSummary, _series, combination_stats, combination_table
+    from flows.render import RunSummary, combination_stats, combination_table
+    from flows.render_figures import _series
 
     def run(name, group, acc, comm):
         return RunSummary(run_id=name * 4, name=name, status="FINISHED", group=group, seed=name[-1],

@@ -91,7 +91,8 @@ def test_one_cluster_and_no_candidates_are_shown_as_such():
 
 def test_the_curves_show_the_silhouette_the_floor_and_the_chosen_k(monkeypatch, tmp_path, decided):
     from flockfl import plots
-    from flows.render import auto_curves, auto_latest
+    from flows.render import auto_latest
+    from flows.render_figures import auto_curves
 
     figs = []
     monkeypatch.setattr(plots.plt, "close", figs.append)
@@ -113,7 +114,8 @@ def test_the_curves_show_the_silhouette_the_floor_and_the_chosen_k(monkeypatch, 
 
 
 def test_the_section_is_there_only_when_some_run_has_auto_keys(decided, tmp_path):
-    from flows.render import _sections, draw_figures, render_html, render_markdown
+    from flows.render_documents import _sections, render_html, render_markdown
+    from flows.render_figures import draw_figures
 
     figures = draw_figures(decided, tmp_path)
     md = render_markdown(_sections("t", [], decided, figures))

@@ -13,23 +13,23 @@ import yaml
 from conftest import last_json, run_flock
 
 from flockfl.errors import ConfigError
-from flows import repro
+from flows import repro, repro_plan, repro_render, repro_tables
 
 TABLES = ("niid_bench_fmnist", "thesis_label_skew", "flexcfl_synthetic", "subfedavg", "curriculum")
 
 
 def test_the_issue_tables_are_listed():
-    assert set(TABLES) <= set(repro.table_names())
+    assert set(TABLES) <= set(repro_tables.table_names())
 
 
-@pytest.mark.parametrize("name", repro.table_names())
+@pytest.mark.parametrize("name", repro_tables.table_names())
 def test_every_cell_of_every_budget_validates(name, tmp_path):
-    t = repro.load_table(name)
+    t = repro_tables.load_table(name)
     assert t.published and t.notes, f"{name}: a table prints published numbers and says where ours may differ"
     for budget in t.budgets:
-        plan = repro.plan_repro(name, budget, None, None, None, [], "params.yaml", str(tmp_path / budget))
+        plan = repro_plan.plan_repro(name, budget, None, None, None, [], "params.yaml", str(tmp_path / budget))
         cells = {c.label for c in plan.sweep.children}
-        expected = {repro.cell_label(r, c) for r in t.rows for c in t.columns if repro.has_cell(t, r, c)}
+        expected = {repro_tables.cell_label(r, c) for r in t.rows for c in t.columns if repro_tables.has_cell(t, r, c)}
         assert cells == expected
         assert len(plan.sweep.children) == len(expected) * len(t.seeds)
         base = plan.sweep.base
@@ -40,14 +40,14 @@ def test_published_cells_must_name_rows_and_columns(tmp_path, monkeypatch):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({
         "title": "t", "paper": "p", "base": {}, "rows": {"A": {}}, "columns": {"x": {}}, "budgets": {"paper": {}},
         "published": {"src": {"B": {"x": 1.0}}}}))
-    monkeypatch.setattr(repro, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(repro_tables, "TABLES_DIR", tmp_path)
     with pytest.raises(ConfigError, match="published.src names row 'B', which is not in rows"):
-        repro.load_table("bad")
+        repro_tables.load_table("bad")
 
 
 def test_overrides_reach_the_base_and_win_over_cells(tmp_path):
-    plan = repro.plan_repro("niid_bench_fmnist", "cpu", [0], ["FedProx"], ["#C=2"], ["train.momentum=0.5",
-                            "partition.rho=30"], "params.yaml", str(tmp_path))
+    plan = repro_plan.plan_repro("niid_bench_fmnist", "cpu", [0], ["FedProx"], ["#C=2"], ["train.momentum=0.5",
+                                 "partition.rho=30"], "params.yaml", str(tmp_path))
     assert plan.sweep.base.train.momentum == 0.5
     (child,) = plan.sweep.children
     assert child.cfg.partition.rho == 30 and child.cfg.train.rounds == 10 and child.cfg.algorithm.name == "fedprox"
@@ -107,7 +107,7 @@ def test_a_small_table_end_to_end_and_continued(tmp_path):
 def test_a_conventions_metric_comes_from_the_runs_metrics_under_its_report_mode():
     """summarise() reports every convention's accuracy per report mode in its metrics; a table
     column naming ``accuracy__proportional__samples`` reads it under the run's own report mode."""
-    from flows.repro import first_metric, summary_metrics
+    from flows.repro_render import first_metric, summary_metrics
 
     summary = {"metrics": {"accuracy": 0.9, "accuracy__proportional__samples__final": 0.7,
                            "accuracy__proportional__samples__best": 0.8,
@@ -122,17 +122,15 @@ def test_a_part_of_a_table_has_its_own_folder_and_continues_there(tmp_path, monk
     """--rows/--columns pick a part of the table, a sweep of its own grid: it gets its own default
     folder (the whole table's folder would refuse it as another sweep), the same part twice gets
     the same folder, and the whole table keeps its folder."""
-    from flows import repro
-
     monkeypatch.chdir(tmp_path)
-    plan = lambda rows, cols: repro.plan_repro("pfllib_fmnist", "cpu", [0], rows, cols, [], "params.yaml")  # noqa: E731
+    plan = lambda rows, cols: repro_plan.plan_repro("pfllib_fmnist", "cpu", [0], rows, cols, [], "params.yaml")  # noqa: E731
     whole = plan(None, None).out
     part = plan(["Ditto"], ["pathological"]).out
     other = plan(["Ditto"], ["Dir(0.1)"]).out
     assert whole == Path("runs/repro/pfllib_fmnist-cpu")
     assert part.name.startswith("pfllib_fmnist-cpu-part-") and len({whole, part, other}) == 3
     assert plan(["Ditto"], ["pathological"]).out == part
-    assert plan(list(repro.load_table("pfllib_fmnist").rows), None).out == whole  # every row = the whole table
+    assert plan(list(repro_tables.load_table("pfllib_fmnist").rows), None).out == whole  # every row = the whole table
 
 
 # ---------------------------------------------------------------------- before it runs: size, data, time
@@ -152,23 +150,23 @@ def _tiny_table(tmp_path, monkeypatch, dataset: dict, budgets=None) -> None:
         "columns": {"a": {"partition": {"num_clients": 4}}, "b": {"partition": {"num_clients": 2}}},
         "budgets": budgets or {"paper": {}, "cpu": {"train": {"rounds": 1}}},
         "published": {"src": {"FedAvg": {"a": 1.0}}}}))
-    monkeypatch.setattr(repro, "TABLES_DIR", tables)
+    monkeypatch.setattr(repro_tables, "TABLES_DIR", tables)
     monkeypatch.chdir(tmp_path)
 
 
 def test_the_count_line_names_cells_seeds_runs_and_budget(tmp_path, monkeypatch):
     _tiny_table(tmp_path, monkeypatch, {"name": "digits"})
-    plan = repro.plan_repro("tiny", None, None, None, None, [], "params.yaml")
-    assert repro.count_line(plan).startswith("3 cells × 2 seeds = 6 runs at budget 'paper' (the table's default); "
-                                             "other budgets: cpu (--budget)")
-    one = repro.plan_repro("tiny", "cpu", [0], ["FedAvg"], ["a"], [], "params.yaml")
-    assert repro.count_line(one).startswith("1 cell × 1 seed = 1 run at budget 'cpu'; other budgets: paper")
-    assert repro.missing_data(plan) is None  # digits is bundled
+    plan = repro_plan.plan_repro("tiny", None, None, None, None, [], "params.yaml")
+    assert repro_plan.count_line(plan).startswith("3 cells × 2 seeds = 6 runs at budget 'paper' (the table's default); "
+                                                  "other budgets: cpu (--budget)")
+    one = repro_plan.plan_repro("tiny", "cpu", [0], ["FedAvg"], ["a"], [], "params.yaml")
+    assert repro_plan.count_line(one).startswith("1 cell × 1 seed = 1 run at budget 'cpu'; other budgets: paper")
+    assert repro_plan.missing_data(plan) is None  # digits is bundled
 
 
 def test_the_estimate_after_the_first_run(tmp_path, monkeypatch):
     _tiny_table(tmp_path, monkeypatch, {"name": "digits"})
-    plan = repro.plan_repro("tiny", None, None, None, None, [], "params.yaml")
+    plan = repro_plan.plan_repro("tiny", None, None, None, None, [], "params.yaml")
     first = plan.sweep.children[0]
     first.summary = {"sweep_wall_s": 42.0}
     line = repro.estimate_line(plan, first, done=1, left=5)
@@ -187,16 +185,17 @@ def test_missing_data_is_one_line_naming_it_and_the_fix(tmp_path, monkeypatch):
 
     monkeypatch.setitem(images.SYSTEM_DIRS, "fashion_mnist", str(tmp_path / "no-such-dir"))
     _tiny_table(tmp_path, monkeypatch, {"name": "fashion_mnist", "path": str(tmp_path / "nowhere")})
-    plan = repro.plan_repro("tiny", None, [0], None, None, [], "params.yaml")
-    msg = repro.missing_data(plan)
+    plan = repro_plan.plan_repro("tiny", None, [0], None, None, [], "params.yaml")
+    msg = repro_plan.missing_data(plan)
     assert msg and "\n" not in msg
     assert msg.startswith("table 'tiny' cannot start: 3 of its 3 cells need data that is missing (fashion_mnist: IDX "
                           "files not found in ")
     assert str(tmp_path / "nowhere") in msg and "apt-get update && apt-get install -y dataset-fashion-mnist" in msg
-    npz = repro.plan_repro("tiny", None, [0], ["FedAvg"], None, ["dataset.name=npz", "dataset.path=nope.npz"],
-                           "params.yaml")
-    assert repro.missing_data(npz) == ("table 'tiny' cannot start: 2 of its 2 cells need data that is missing (npz: no "
-                                       "file 'nope.npz'; set dataset.path (--set dataset.path=FILE.npz) to an existing .npz)")
+    npz = repro_plan.plan_repro("tiny", None, [0], ["FedAvg"], None, ["dataset.name=npz", "dataset.path=nope.npz"],
+                                "params.yaml")
+    assert repro_plan.missing_data(npz) == ("table 'tiny' cannot start: 2 of its 2 cells need data that is missing (npz: "
+                                            "no file 'nope.npz'; set dataset.path (--set dataset.path=FILE.npz) to an "
+                                            "existing .npz)")
 
 
 def test_the_cli_refuses_a_table_without_its_data_and_dry_run_says_so(tmp_path):
@@ -221,24 +220,24 @@ def test_a_row_compared_under_its_own_convention(tmp_path, monkeypatch):
     convention counted against the published number; the compared value is marked ``*``; a
     label that is no convention is a one-line error."""
     _tiny_table(tmp_path, monkeypatch, {"name": "digits"})
-    raw = yaml.safe_load((repro.TABLES_DIR / "tiny.yaml").read_text())
+    raw = yaml.safe_load((repro_tables.TABLES_DIR / "tiny.yaml").read_text())
     raw["conventions"] = [{"label": "after local training", "metric": "accuracy_finetuned"},
                           {"label": "as served", "metric": "accuracy"}]
     raw["published"] = {"src": {"FedAvg": {"a": 50.0}, "FedProx": {"a": 90.0}}}
     raw["tolerance"] = {"src": 2}
     raw["rows"]["FedProx"]["compare"] = "as served"
-    (repro.TABLES_DIR / "tiny.yaml").write_text(yaml.safe_dump(raw))
-    plan = repro.plan_repro("tiny", "cpu", [0], None, ["a"], [], "params.yaml")
+    (repro_tables.TABLES_DIR / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    plan = repro_plan.plan_repro("tiny", "cpu", [0], None, ["a"], [], "params.yaml")
     assert all("compare" not in " ".join(c.overrides) for c in plan.sweep.children)  # the table's key, not the run's
     for child in plan.sweep.children:  # both rows: 90 % as served, 50 % after local training
         child.status, child.summary = "finished", {"metrics": {"accuracy": 0.9, "accuracy_finetuned": 0.5}}
-    text, data = repro.render(plan)
+    text, data = repro_render.render(plan)
     cells = {c["row"]: c for c in data["cells"]}
     assert cells["FedAvg"]["compared"] == "after local training" and cells["FedProx"]["compared"] == "as served"
     assert data["within_tolerance"]["src"] == {"within": 2, "of": 2, "points": 2.0}
     assert "| FedAvg | 50.00* | 90.00 |" in text and "| FedProx | 50.00 | 90.00* |" in text
     raw["rows"]["FedProx"]["compare"] = "served"
-    (repro.TABLES_DIR / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    (repro_tables.TABLES_DIR / "tiny.yaml").write_text(yaml.safe_dump(raw))
     with pytest.raises(ConfigError, match="rows.FedProx.compare is 'served', not a convention's label; choose one of: "
                                           "after local training; as served"):
-        repro.load_table("tiny")
+        repro_tables.load_table("tiny")
