@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import os
 import sys
 import time
@@ -287,6 +288,11 @@ def entry() -> None:
         rc = main()
     except BrokenPipeError:
         rc = 0
+    # Prefect's workers drain their queues at exit and, on a loaded machine, log "Still processing
+    # items" every 4 s meanwhile: progress of its own telemetry, not of the command (a one-line
+    # error must stay one line)
+    for name in ("EventsWorker", "APILogWorker"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     atexit._run_exitfuncs()
     try:
         sys.stdout.flush()
