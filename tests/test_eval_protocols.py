@@ -296,7 +296,7 @@ def test_batched_dense_models_equal_the_per_client_forward():
 
 def test_bn_statistics_are_recomputed_only_where_the_subnetwork_changed(tmp_path, monkeypatch):
     from flockfl.engine.functional import index_params
-    from flockfl.stages import pruning as pr_module
+    from flockfl.stages import subfedavg as pr_module
 
     prep = prepare(cfg_of(model={"name": "cnn_bn", "hidden": 16}, pruning={"method": "unstructured", "acc_threshold": 0.0},
                           train={"rounds": 1}), tmp_path)
