@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from flockfl.config import TrainConfig
-from flockfl.engine.schedule import LocalSpec, LrSchedule, restrict
+from flockfl.engine.schedule import LocalSpec, LrSchedule, split_spec
 from flockfl.engine.trainers import TrainResult
 
 if TYPE_CHECKING:
@@ -54,10 +54,8 @@ def train_pass(ctx: "RunContext", spec: LocalSpec, round: int) -> TrainResult:
     vectorised batch each, as a round's), each shard tried again up to ``train.max_retries`` times
     before its error ends the pass (a round drops a client that keeps failing; a pass outside it
     has no result without that client)."""
-    t, n = ctx.cfg.train, len(spec.clients)
-    parts = []
-    for a in range(0, n, t.shard_size):
-        shard = restrict(spec, slice(a, min(n, a + t.shard_size))) if n > t.shard_size else spec
+    t, parts = ctx.cfg.train, []
+    for shard in split_spec(spec, t.shard_size):
         for attempt in range(t.max_retries + 1):
             try:
                 parts.append(ctx.trainer(ctx.model, shard, ctx.data.train, ctx.data.task, ctx.seed, round))

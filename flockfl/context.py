@@ -49,11 +49,14 @@ class RunContext:
         self.seen = np.setdiff1d(np.arange(self.data.num_clients), self.unseen)
 
     @property
+    def engine_name(self) -> str:
+        """The engine the driver chose, or the configured one before any round has chosen (``auto`` → vectorized)."""
+        return self.engine or ("vectorized" if self.cfg.train.engine == "auto" else self.cfg.train.engine)
+
+    @property
     def trainer(self) -> Callable[..., TrainResult]:
-        """The run's trainer: the engine the driver chose, or the configured one before any round
-        has chosen (``auto`` → vectorized)."""
-        t = self.cfg.train
-        return TRAINERS[self.engine or ("vectorized" if t.engine == "auto" else t.engine)]
+        """The run's trainer (:attr:`engine_name`)."""
+        return TRAINERS[self.engine_name]
 
     @property
     def seed(self) -> int:

@@ -116,7 +116,7 @@ def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
     on the context (``ctx.trainer``) for every pass outside the round's training."""
     cfg, run = prep.cfg.train, state.driver
     if run.engine is not None or len(spec.clients) == 0:  # an empty cohort: decide on a real one
-        return run.engine or ("vectorized" if cfg.engine == "auto" else cfg.engine)
+        return prep.ctx.engine_name  # drive_round set ctx.engine from the state
     if cfg.engine != "auto":
         run.engine, run.engine_reason = cfg.engine, "configured"
     else:

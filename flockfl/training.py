@@ -13,23 +13,12 @@ import torch
 from flockfl.algorithms import ALGORITHMS
 from flockfl.context import RunContext
 from flockfl.engine import TRAINERS, LocalSpec, TrainResult
-from flockfl.engine.schedule import restrict
+from flockfl.engine.schedule import restrict, split_spec
 from flockfl.stages.base import Stage
 
 
 class ClientFailure(RuntimeError):
     """Local training of one or more clients failed."""
-
-
-def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
-    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients
-    (none for an empty cohort: under CC-FL a round can have no participants)."""
-    n = len(spec.clients)
-    if n == 0:
-        return []
-    if n <= shard_size:
-        return [spec]
-    return [restrict(spec, slice(a, min(n, a + shard_size))) for a in range(0, n, shard_size)]
 
 
 def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int, stages: Sequence[Stage] = ()) -> TrainResult:

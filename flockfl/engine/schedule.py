@@ -219,3 +219,14 @@ def restrict(spec: LocalSpec, positions) -> LocalSpec:
         second=None if spec.second is None else dataclasses.replace(
             spec.second, rows=rows(spec.second.rows), anchor=rows(spec.second.anchor)),
     )
+
+
+def split_spec(spec: LocalSpec, shard_size: int) -> list[LocalSpec]:
+    """Shards of the cohort, each a vectorised batch of up to ``shard_size`` clients
+    (none for an empty cohort: under CC-FL a round can have no participants)."""
+    n = len(spec.clients)
+    if n == 0:
+        return []
+    if n <= shard_size:
+        return [spec]
+    return [restrict(spec, slice(a, min(n, a + shard_size))) for a in range(0, n, shard_size)]
