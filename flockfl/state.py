@@ -143,10 +143,15 @@ def _from_cpu(tree: Any, run_dir: Optional[Path], prefix: str = "") -> Any:
 
 
 def encode_state(state: ServerState) -> bytes:
+    return encode_payload(state.to_payload())
+
+
+def encode_payload(payload: dict[str, Any]) -> bytes:
+    """A checkpoint's bytes: the header, the payload's checksum, the ``torch.save``'d payload."""
     buf = io.BytesIO()
-    torch.save(state.to_payload(), buf)
-    payload = buf.getvalue()
-    return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload
+    torch.save(payload, buf)
+    raw = buf.getvalue()
+    return MAGIC + hashlib.sha256(raw).hexdigest().encode() + b"\n" + raw
 
 
 def decode_state(data: bytes, source: str = "checkpoint", run_dir: Optional[Path] = None) -> ServerState:

@@ -92,10 +92,8 @@ def test_a_checkpoint_from_before_the_driver_record_resumes_with_its_driver_keys
     one moves them into the record (a run resumed across the upgrade keeps its engine, its
     pre-federation cost and its mid-round progress) and leaves the algorithm's keys in ``meta``."""
     import dataclasses
-    import hashlib
-    import io
 
-    from flockfl.state import MAGIC, DriverRecord
+    from flockfl.state import DriverRecord, encode_payload
 
     cfg = validate(tiny_config(train={"rounds": 2, "engine": "reference"}))
     state = run_rounds(prepare(cfg, tmp_path / "a"))
@@ -104,10 +102,7 @@ def test_a_checkpoint_from_before_the_driver_record_resumes_with_its_driver_keys
     driver = old.pop("driver")
     old["meta"] = {**old["meta"], **{k: v for k, v in driver.items() if v is not None and k != "cycle"},
                    "partial_round": {"cycle": 1}}
-    buf = io.BytesIO()
-    torch.save(old, buf)
-    data = MAGIC + hashlib.sha256(buf.getvalue()).hexdigest().encode() + b"\n" + buf.getvalue()
-    back = decode_state(data)
+    back = decode_state(encode_payload(old))
     want = dataclasses.asdict(dataclasses.replace(state.driver, partial_round={"cycle": 1}))
     got = dataclasses.asdict(back.driver)
     assert want.pop("trained") is not None and np.array_equal(got.pop("trained"), state.driver.trained)
