@@ -6,7 +6,7 @@ A job carries only its shard: the client ids and per-client rows of the :class:`
 identifies the data: the validated config, the partition's content hash, the directory the
 worker reads partitions from, and the distribution-shift ownership (``state.algo['shift']``)
 when a shift is configured. A worker builds its :class:`RunContext` once per (partition hash,
-context key) with :func:`flockfl.rounds.prepare` (the raw dataset plus the content-addressed
+context key) with :func:`flockfl.preparation.prepare` (the raw dataset plus the content-addressed
 partition file) and keeps it; the dataset never travels with a task.
 
 Jobs and results cross the wire as pickled bytes (``pack``/``run_job``), so the flow knows

@@ -1,5 +1,5 @@
 """The files a run's configuration names, read once by its preparation
-(:func:`flockfl.rounds.assemble`) into ``ctx.inputs``, so that no hook or stage opens a file:
+(:func:`flockfl.preparation.assemble`) into ``ctx.inputs``, so that no hook or stage opens a file:
 an algorithm's (``Algorithm.input_files``: IFCA's ``init=given`` models, keyed as it names
 them) and a stage's (``Stage.input_files``: the curriculum's expert, ``curriculum.expert``).
 
@@ -46,7 +46,7 @@ def read_model(key: str, source: str, model: torch.nn.Module, readers: dict[str,
     scheme = next((s for s in readers if source.startswith(s)), None)
     if source.startswith(URI_SCHEMES) and scheme is None:
         raise ConfigError(f"{key}: {source!r} is an MLflow model URI, which flockfl run reads (the plain loop: pass "
-                          "readers= to flockfl.rounds.prepare); run through flockfl, or give a .pt file")
+                          "readers= to flockfl.preparation.prepare); run through flockfl, or give a .pt file")
     try:
         if scheme is not None:
             params = readers[scheme](source)

@@ -1,7 +1,9 @@
 """The stages of a round as plain functions (what ``tasks/`` wraps), and a plain loop.
 
 ``run_rounds`` drives the same stages without Prefect; the flow in ``flows/experiment.py``
-calls them as tasks. Both produce bit-identical states for the same config.
+calls them as tasks. Both produce bit-identical states for the same config. A run is made
+ready by :mod:`flockfl.preparation` (``prepare``, ``prepare_data`` and their checks, re-exported
+here: scripts import them from ``flockfl.rounds``).
 """
 
 from __future__ import annotations
@@ -10,103 +12,28 @@ import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Optional
 
 import numpy as np
-import torch
 
-from flockfl.algorithms import Algorithm, build_algorithm
+from flockfl.algorithms import Algorithm
 from flockfl.clientstate import chunks
-from flockfl.config import ExperimentConfig, classifier_list
-from flockfl.context import RunContext, unseen_clients
-from flockfl.data import build_client_data, build_or_load, load_dataset
-from flockfl.engine.data import ClientData
-from flockfl.engine import LocalSpec, TrainResult, choose_engine, configure_threads, resolve_device
-from flockfl.errors import ConfigError
-from flockfl.eval_protocol import ClientMetrics, Protocol, check_protocol, family, protocol
+from flockfl.config import ExperimentConfig
+from flockfl.context import RunContext
+from flockfl.engine import LocalSpec, TrainResult, choose_engine
+from flockfl.eval_protocol import ClientMetrics, Protocol, family, protocol
 from flockfl.eval_summary import note_trained, report_modes
 from flockfl.evaluation import measure_own, measure_shared
 from flockfl import optimizer_state
 from flockfl.faults import maybe_crash
-from flockfl.inputs import Reader, read_inputs
-from flockfl.stages import build_stages
+from flockfl.preparation import PreparedRun, assemble, check_population, check_task, prepare, prepare_data
 from flockfl.state import ServerState, on_device
 from flockfl.training import isolate_failures, restrict_spec, retrying, shard_loop, split_spec, train_shard
-from models import build_model
 
-
-@dataclass
-class PreparedRun:
-    cfg: ExperimentConfig
-    ctx: RunContext
-    algorithm: Algorithm
-    partition_path: Path
-    partition_hash: str
-    partition_cached: bool
-    threads: int
-    info: dict = field(default_factory=dict)
-    # the stages this run uses (curriculum, pruning, shift), by name, in hook order
-    stages: dict = field(default_factory=dict)
-
-
-def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partitions", build: bool = True,
-            readers: Optional[dict[str, Reader]] = None, inputs: bool = True) -> PreparedRun:
-    """Load the data, build or load the partition (content-addressed cache), and the model
-    (``build=False``: only load the partition; a missing or stale one is a ConfigError); the
-    files the config names with ``readers`` for model URIs (``inputs=False``: none, a worker's)."""
-    threads = configure_threads(cfg.train.threads)
-    ds = load_dataset(cfg.dataset, cfg.seed, cfg.partition.num_clients)
-    check_task(cfg, ds)
-    part, path, cached = build_or_load(ds, cfg, partitions_root, build)
-    check_population(cfg, part.num_clients)
-    data = build_client_data(ds, part).to(resolve_device(cfg.train.device, cfg.train.fast_math))
-    model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
-    model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
-    truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
-    return assemble(cfg, model, data, truth, partition_path=path, partition_hash=part.content_hash, partition_cached=cached,
-                    threads=threads, info={"heterogeneity": dict(part.info.get("heterogeneity") or {})},
-                    readers=readers, inputs=inputs)
-
-
-def assemble(cfg: ExperimentConfig, model: torch.nn.Module, data: ClientData, truth: Optional[dict] = None, *,
-             partition_path: Optional[Path] = None, partition_hash: str = "", partition_cached: bool = False,
-             threads: int = 1, info: Optional[dict] = None, readers: Optional[dict[str, Reader]] = None,
-             inputs: bool = True) -> PreparedRun:
-    """The run over prepared data and model: the algorithm, the active stages, the files they
-    name (read here, :mod:`flockfl.inputs`) and the context their hooks see."""
-    algorithm, stages = build_algorithm(cfg), build_stages(cfg, model)
-    files = read_inputs(algorithm, stages.values(), model, readers or {}) if inputs else {}
-    ctx = RunContext(cfg, model, data, truth or {}, inputs=files)
-    return PreparedRun(cfg, ctx, algorithm, partition_path, partition_hash, partition_cached, threads, info or {},
-                       stages=stages)
-
-
-def prepare_data(cfg: ExperimentConfig, data: ClientData, model: Optional[torch.nn.Module] = None) -> PreparedRun:
-    """A run on client data built elsewhere (a synthetic problem such as
-    ``flockfl.data.lsq.hetero_lsq``, a test's clients): no dataset, no partition store."""
-    model = model or build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden)
-    return assemble(cfg, model, data)
-
-
-def check_task(cfg: ExperimentConfig, ds) -> None:
-    """The data decides regression or classification (float labels are regression); the
-    model must fit it, and the cohort must fit the population."""
-    if ds.task == "regression" and cfg.model.name != "linear":
-        raise ConfigError(f"model.name: {cfg.model.name!r} is a classifier; dataset {cfg.dataset.name!r} has float labels "
-                          "(a regression task); use model.name=linear")
-    if ds.task == "classification" and cfg.model.name == "linear":
-        raise ConfigError(f"model.name: 'linear' is a regression model; dataset {cfg.dataset.name!r} has class labels, "
-                          f"so it needs a classifier ({classifier_list()})")
-    check_protocol(cfg, ds.task)
-
-
-def check_population(cfg: ExperimentConfig, num_clients: int) -> None:
-    """The cohort must fit the clients that federate (all but the newcomers)."""
-    seen = num_clients - len(unseen_clients(num_clients, cfg.partition.unseen_fraction, cfg.seed))
-    if cfg.train.clients_per_round > seen:
-        raise ConfigError(f"train.clients_per_round: {cfg.train.clients_per_round} exceeds the {seen} clients that federate "
-                          f"({num_clients} clients, unseen_fraction={cfg.partition.unseen_fraction}); lower it")
+__all__ = ["aggregate_stage", "assemble", "check_population", "check_task", "cluster_stage", "cycle_share", "drive",
+           "drive_round", "evaluate_stage", "finish_round", "needs_pre_federation", "newcomer_metrics", "pick_engine",
+           "PLAIN", "pre_federation_stage", "prepare", "prepare_data", "PreparedRun", "RoundWork", "run_round",
+           "run_rounds", "select_stage", "should_evaluate", "Stages", "train_companions", "train_stage"]
 
 
 def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:

@@ -161,15 +161,15 @@ def fake_cuda(deterministic: bool = True):
 
 @contextlib.contextmanager
 def patch_resolve_device(device: torch.device):
-    """``flockfl.rounds.prepare`` puts the data (and so the model) on ``device``."""
-    import flockfl.rounds as rounds
+    """``flockfl.preparation.prepare`` puts the data (and so the model) on ``device``."""
+    import flockfl.preparation as preparation
 
-    orig = rounds.resolve_device
-    rounds.resolve_device = lambda name, fast_math=False: device
+    orig = preparation.resolve_device
+    preparation.resolve_device = lambda name, fast_math=False: device
     try:
         yield
     finally:
-        rounds.resolve_device = orig
+        preparation.resolve_device = orig
 
 
 def available() -> bool:

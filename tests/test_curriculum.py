@@ -429,7 +429,7 @@ def test_s_E_reads_an_mlflow_model_uri_through_the_readers_the_flow_passes(tmp_p
     for k, v in want.items():
         torch.testing.assert_close(got[k], v.float())
     assert np.isfinite(run_rounds(prep).history[-1]["accuracy"])
-    with pytest.raises(ConfigError, match=r"curriculum.expert: 'runs:/.*pass readers= to flockfl.rounds.prepare") as err:
+    with pytest.raises(ConfigError, match=r"curriculum.expert: 'runs:/.*pass readers= to flockfl.preparation.prepare") as err:
         prepare(cfg_of(c, rounds=1), tmp_path)
     assert "\n" not in str(err.value)
     assert cfg.curriculum.expert == "global" and prepare(cfg, tmp_path).ctx.inputs == {}  # nothing to read

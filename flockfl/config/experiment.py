@@ -54,7 +54,7 @@ class ExperimentConfig(_Section):
             if given is not None and ((n is not None and len(given) != n) or min(given) <= 0):
                 raise ValueError(f"system.{key}: needs {n} positive values, one per client")
         # regression or classification: known here for the built-in datasets; an npz file's (and a
-        # plugin dataset's) labels decide it when the data is loaded (flockfl.rounds.check_task)
+        # plugin dataset's) labels decide it when the data is loaded (flockfl.preparation.check_task)
         if self.dataset.name == "synthetic_linreg" and self.model.name != "linear":
             raise ValueError(f"model.name: {self.model.name!r} cannot fit synthetic_linreg; use model.name=linear")
         builtin = get_args(DatasetConfig.model_fields["name"].annotation)

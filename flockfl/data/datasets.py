@@ -97,7 +97,7 @@ def merge_splits(ds: Dataset) -> Dataset:
     then one and the same array, so a partition's train and test indices both point into it.
 
     In place, and once (``meta['merged_splits']`` records the sizes it pooled): the run builds its
-    partition and its client data from the same loaded object (``flockfl.rounds.prepare``)."""
+    partition and its client data from the same loaded object (``flockfl.preparation.prepare``)."""
     if "merged_splits" in ds.meta:
         return ds
     cat = lambda a, b: None if a is None else np.concatenate([a, b])  # noqa: E731

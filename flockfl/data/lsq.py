@@ -28,7 +28,7 @@ def hetero_lsq(m: int = 10, d: int = 20, n: int = 50, seed: int = 0) -> tuple[Cl
 def lsq_config(algo: dict, m: int, train: dict, seed: int = 0) -> dict:
     """The raw config of a run of ``algo`` on ``m`` clients of :func:`hetero_lsq` (a linear
     model; every client each round unless ``train.clients_per_round`` says otherwise;
-    full-batch local steps unless overridden); ``flockfl.rounds.prepare_data`` runs it."""
+    full-batch local steps unless overridden); ``flockfl.preparation.prepare_data`` runs it."""
     return {"seed": seed, "dataset": {"name": "synthetic_linreg"}, "partition": {"scheme": "natural", "num_clients": m},
             "model": {"name": "linear"}, "algorithm": algo, "tracking": {"enabled": False},
             "train": {"clients_per_round": m, "full_batch": True, "engine": "vectorized", **train}}
