@@ -105,7 +105,9 @@ class ClientMetrics:
 
 
 def overlay(base: ClientMetrics, pos: np.ndarray, part: Optional[ClientMetrics]) -> ClientMetrics:
-    """``base`` with the clients at positions ``pos`` replaced by ``part``'s (in that order)."""
+    """``base`` with the clients at positions ``pos`` replaced by ``part``'s (in that order). A
+    test set ``part`` was not measured on is dropped (``eval.conventions=cheap``: personal
+    models are not measured on the label union), so no client's number comes from another model."""
     if part is None or len(pos) == 0:
         return base
     out = {}
@@ -118,16 +120,21 @@ def overlay(base: ClientMetrics, pos: np.ndarray, part: Optional[ClientMetrics])
     return ClientMetrics(out)
 
 
-def label_union_applies(cfg) -> bool:
-    """Whether the ``label_union`` convention is measured: not with ``partition.test_split=local``
-    (PFLlib's setting), where each client's test set is its own held-out samples and the dataset's
-    test set is merged into the clients' data, so there is no shared pool to draw a label union
-    from (``eval.test_set=label_union`` is refused there; its pass cost 24 of 31 s a round); nor
-    with ``eval.conventions=configured`` unless it is the configured ``eval.test_set``."""
+def label_union_applies(cfg, own: bool = False) -> bool:
+    """Whether the ``label_union`` convention is measured, for shared models or (``own``) for
+    per-client ones: not with ``partition.test_split=local`` (PFLlib's setting), where each
+    client's test set is its own held-out samples and the dataset's test set is merged into the
+    clients' data, so there is no shared pool to draw a label union from (``eval.test_set=
+    label_union`` is refused there; its pass cost 24 of 31 s a round); always when it is the
+    configured ``eval.test_set``; else per ``eval.conventions``: ``all`` yes, ``configured``
+    no, ``cheap`` (the default) for shared models only (one pass per model, not one per client)."""
     if getattr(cfg.partition, "test_split", "global") == "local":
         return False
     ev = getattr(cfg, "eval", None)
-    return ev is None or getattr(ev, "conventions", "all") == "all" or ev.test_set == "label_union"
+    if ev is None or ev.test_set == "label_union":
+        return True
+    conventions = getattr(ev, "conventions", "cheap")
+    return conventions == "all" or (conventions == "cheap" and not own)
 
 
 # ---------------------------------------------------------------------- summaries of one family

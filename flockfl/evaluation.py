@@ -67,7 +67,7 @@ class _Measure:
     A model's pass covers, in each view of the pool, the classes its clients hold (and, when the
     partition's split is linked to the pool, their proportional rows: one forward serves both)."""
 
-    def __init__(self, ctx: RunContext, clients: np.ndarray):
+    def __init__(self, ctx: RunContext, clients: np.ndarray, own: bool = False):
         self.model, self.test, self.task = ctx.model, ctx.data.test, ctx.data.task
         self.clients = np.asarray(clients, np.int64)
         n = len(self.clients)
@@ -76,7 +76,7 @@ class _Measure:
         self.count = {"proportional": self.test.sizes[self.clients].astype(np.int64)}
         self.pool: Optional[TestPool] = None
         self.linked = False
-        if self.task == "classification" and label_union_applies(ctx.cfg):
+        if self.task == "classification" and label_union_applies(ctx.cfg, own):
             pool = self.pool = label_pool(ctx)
             k = pool.num_classes
             self.targets = np.asarray(pool.targets(self.clients))  # [n, K]: original class → the client's label
@@ -232,7 +232,7 @@ def measure_own(ctx: RunContext, params: dict[str, torch.Tensor], clients: np.nd
     """Every listed client under its own model (row i of ``params`` is ``clients[i]``'s), in
     chunks of ``train.eval_chunk`` clients."""
     clients = np.asarray(clients, np.int64)
-    m = _Measure(ctx, clients)
+    m = _Measure(ctx, clients, own=True)
     for part in chunks(np.arange(len(clients)), ctx.cfg.train.eval_chunk):
         whole = len(part) == len(clients)
         sel = torch.from_numpy(part).to(next(iter(params.values())).device)

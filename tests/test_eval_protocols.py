@@ -82,7 +82,8 @@ def test_label_union_of_own_models_equals_per_client_copies(tmp_path, model):
     from flockfl.evaluation import measure_own
 
     prep = prepare(cfg_of(partition=PARTITIONS["label_swap"], model={"name": model, "hidden": 16},
-                          algorithm={"name": "ditto"}, train={"rounds": 2, "eval_chunk": 5}), tmp_path)
+                          algorithm={"name": "ditto"}, train={"rounds": 2, "eval_chunk": 5}, eval={"conventions": "all"}),
+                   tmp_path)
     state = run_rounds(prep)
     clients = prep.ctx.seen
     own = prep.algorithm.own_models(state, prep.ctx, clients, np.zeros(len(clients), np.int64))
@@ -121,13 +122,22 @@ def test_every_convention_is_logged_and_the_headline_follows_the_configured_one(
 
 @pytest.mark.parametrize("name", ["fedavg", "ditto"])
 def test_configured_conventions_skip_label_union_unless_it_is_the_test_set(tmp_path, name):
-    base = dict(partition=PARTITIONS["dirichlet"], algorithm={"name": name}, train={"rounds": 2})
-    every = run_rounds(prepare(cfg_of(**base), tmp_path / "all")).history[-1]
+    base = dict(partition=PARTITIONS["dirichlet"], algorithm={"name": name}, train={"rounds": 2, "eval_finetune": "final"})
+    every = run_rounds(prepare(cfg_of(**base, eval={"conventions": "all"}), tmp_path / "all")).history[-1]
+    cheap = run_rounds(prepare(cfg_of(**base), tmp_path / "cheap")).history[-1]  # the default
     only = run_rounds(prepare(cfg_of(**base, eval={"conventions": "configured"}), tmp_path / "cfg")).history[-1]
     assert any("label_union" in k for k in every) and not any("label_union" in k for k in only)
-    for k, v in only.items():  # everything it does measure is what the full evaluation measured
-        if k.startswith(("accuracy", "loss")):
-            assert v == every[k], k
+    for row in (only, cheap):
+        for k, v in row.items():  # everything it does measure is what the full evaluation measured
+            if k.startswith(("accuracy", "loss")):
+                assert v == every[k], k
+    # cheap: the label union of shared models (one pass per model), not of per-client models
+    assert "accuracy_finetuned__label_union__samples" in every
+    assert not any(k.startswith("accuracy_finetuned") and "label_union" in k for k in cheap)
+    if name == "fedavg":
+        assert "accuracy__label_union__samples" in cheap
+    else:  # Ditto: accuracy is the personal models', accuracy_global the shared w's
+        assert "accuracy__label_union__samples" not in cheap and "accuracy_global__label_union__samples" in cheap
     lu = run_rounds(prepare(cfg_of(**base, eval={"conventions": "configured", "test_set": "label_union"}),
                             tmp_path / "lu")).history[-1]
     assert lu["accuracy"] == every["accuracy__label_union__samples"]
@@ -382,7 +392,7 @@ def test_own_models_reduced_in_small_groups_equal_per_client_copies(tmp_path, mo
     assert [g.tolist() for g in row_groups([3, 4, 9, 1, 1], 5)] == [[0], [1], [2], [3, 4]]
     assert row_groups([], 5) == []
     prep = prepare(cfg_of(partition=PARTITIONS["rotated"], algorithm={"name": "fedrep", "head_epochs": 1},
-                          train={"rounds": 2}), tmp_path)
+                          train={"rounds": 2}, eval={"conventions": "all"}), tmp_path)
     state = run_rounds(prep)
     clients = prep.ctx.seen
     own = prep.algorithm.own_models(state, prep.ctx, clients, np.zeros(len(clients), np.int64))
@@ -405,7 +415,8 @@ def test_clients_never_trained_take_their_personal_metrics_from_the_global_model
     from flockfl.evaluation import measure_own
 
     prep = prepare(cfg_of(partition=PARTITIONS["dirichlet"], algorithm={"name": "ditto"},
-                          train={"rounds": 1, "clients_per_round": 4, "eval_chunk": 5}), tmp_path)
+                          train={"rounds": 1, "clients_per_round": 4, "eval_chunk": 5}, eval={"conventions": "all"}),
+                   tmp_path)
     state = run_rounds(prep)
     ctx, alg = prep.ctx, prep.algorithm
     clients = ctx.seen
@@ -416,3 +427,10 @@ def test_clients_never_trained_take_their_personal_metrics_from_the_global_model
     for ts in ("proportional", "label_union"):
         for a, b in zip(got[ts], want[ts]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    # eval.conventions=cheap (the default): the personal models are not measured on the label
+    # union, so the family drops it rather than keep the global model's numbers for the untrained
+    ctx.cfg = ctx.cfg.model_copy(update={"eval": ctx.cfg.eval.model_copy(update={"conventions": "cheap"})})
+    cheap = alg.chunk_metrics(state, ctx, clients, np.zeros(len(clients), np.int64))
+    assert set(cheap[""].sets) == {"proportional"} and set(cheap["_global"].sets) == {"proportional", "label_union"}
+    for a, b in zip(cheap[""]["proportional"], want["proportional"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
