@@ -21,6 +21,10 @@ os.environ["PREFECT_HOME"] = _HOME
 # runs of two workers, or of the suite and a user's run beside it, share the cores (the same
 # bits) instead of waiting for each other and printing a waiting line a test would read
 os.environ["FLOCKFL_CORES_DIR"] = os.path.join(_HOME, "cores")
+# Prefect's ephemeral API gives its server 60 s to start (import, migrate a new SQLite store):
+# with `pytest -n` workers each starting their own beside training tests, that can run out on a
+# 2-core machine; a user's run keeps Prefect's default
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # partitions the in-process tests build, one folder per pytest process
 PARTS = os.path.join(_HOME, "parts")
 

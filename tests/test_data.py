@@ -270,3 +270,28 @@ def test_uneven_client_sizes_follow_difca_and_cover_the_data(tmp_path):
     assert np.array_equal(np.sort(np.concatenate(part.train_idx)), np.arange(len(ds.y_train)))
     with pytest.raises(ConfigError, match="partition.client_sizes: 'uneven' applies to"):
         validate(tiny_config(partition={"scheme": "dirichlet", "client_sizes": "uneven"}))
+
+
+def test_a_dataset_is_loaded_once_per_process_until_its_file_changes(tmp_path):
+    """``flockfl run`` checks the partition before its flow and the flow loads the data again:
+    the second load is the first's object; a changed npz file, or other settings, load anew."""
+    import os
+
+    from flockfl.config import DatasetConfig
+    from flockfl.data.datasets import load_dataset
+
+    digits = DatasetConfig(name="digits")
+    assert load_dataset(digits, 0, 10) is load_dataset(digits, 0, 10)
+    assert load_dataset(digits, 1, 10) is not load_dataset(digits, 0, 10)
+    path = tmp_path / "d.npz"
+    rng = np.random.default_rng(0)
+    np.savez(path, x_train=rng.normal(size=(20, 3)).astype(np.float32), y_train=np.arange(20) % 2,
+             x_test=rng.normal(size=(6, 3)).astype(np.float32), y_test=np.arange(6) % 2)
+    cfg = DatasetConfig(name="npz", path=str(path))
+    first = load_dataset(cfg, 0, 4)
+    assert load_dataset(cfg, 0, 4) is first
+    np.savez(path, x_train=np.zeros((20, 3), np.float32), y_train=np.arange(20) % 2,
+             x_test=np.zeros((6, 3), np.float32), y_test=np.arange(6) % 2)
+    os.utime(path, ns=(first_ns := path.stat().st_mtime_ns + 10**9, first_ns))
+    again = load_dataset(cfg, 0, 4)
+    assert again is not first and not again.x_train.any()

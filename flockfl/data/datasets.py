@@ -18,6 +18,7 @@ the train and test sets into one (:func:`merge_splits`).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -61,8 +62,38 @@ LOADERS: Registry = Registry("dataset", {
 
 
 def load_dataset(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Dataset:
+    """The configured dataset. A built-in one is loaded once per process for the same settings
+    and files (``flockfl run`` checks the partition before its flow, whose first task loads the
+    data again; a sweep's cells share it): the last one loaded is kept. Loaders build new
+    arrays and nothing writes into a Dataset's, so handing out the same object is safe."""
+    key = _memo_key(cfg, seed, num_clients)
+    if key is not None and key in _LAST:
+        return _LAST[key]
     ds = LOADERS[cfg.name](cfg, seed, num_clients)
-    return standardise_channels(ds, cfg) if cfg.normalize == "per_channel" else ds
+    ds = standardise_channels(ds, cfg) if cfg.normalize == "per_channel" else ds
+    if key is not None:
+        _LAST.clear()
+        _LAST[key] = ds
+    return ds
+
+
+_LAST: dict = {}  # the last built-in dataset loaded in this process, by _memo_key
+
+
+def _memo_key(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Optional[tuple]:
+    """The settings and the files' (size, mtime) a load depends on; None for a plugin's dataset
+    (its loader may read anything) or a path that cannot be read (the loader says why)."""
+    if cfg.name not in LOADERS.builtins():
+        return None
+    files: tuple = ()
+    if cfg.path:
+        try:
+            root = Path(cfg.path)
+            found = sorted(root.rglob("*")) if root.is_dir() else [root]
+            files = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in found if f.is_file())
+        except OSError:
+            return None
+    return cfg.model_dump_json(), seed, num_clients, files
 
 
 def standardise_channels(ds: Dataset, cfg: DatasetConfig) -> Dataset:
