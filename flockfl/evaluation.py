@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from flockfl.clientstate import chunks
+from flockfl.clustering.similarity import ari, nmi
 from flockfl.engine.evaluate import OwnOutputs, TestPool, class_sums, identity_pool, outputs, row_stats, segment_sums
 from flockfl.engine.functional import losses_under_models, segment_mean
 from flockfl.errors import ConfigError
@@ -282,8 +283,6 @@ def cluster_breakdown(ctx: RunContext, clients: np.ndarray, mine: np.ndarray, c_
     """Per-cluster client counts and accuracy (loss for regression; the mean ``eval.average``
     says), the number of clusters in use, and ARI/NMI of ``mine`` against the clients' current
     true groups (when known)."""
-    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
-
     out: dict[str, Any] = {}
     key = "accuracy" if ctx.data.task == "classification" else "loss"
     vals = c_acc if key == "accuracy" else c_loss
@@ -296,8 +295,7 @@ def cluster_breakdown(ctx: RunContext, clients: np.ndarray, mine: np.ndarray, c_
     out["num_clusters"] = int(len(np.unique(mine)))
     group = ctx.data.group[clients]
     if (group >= 0).all() and len(np.unique(group)) > 1:
-        out["ari"] = float(adjusted_rand_score(group, mine))
-        out["nmi"] = float(normalized_mutual_info_score(group, mine))
+        out["ari"], out["nmi"] = ari(group, mine), nmi(group, mine)
     return out
 
 

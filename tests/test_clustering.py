@@ -220,3 +220,23 @@ def test_ari_and_nmi():
     assert cl.ari([0, 0, 1, 1], [1, 1, 0, 0]) == 1.0 and cl.nmi([0, 0, 1, 1], [1, 1, 0, 0]) == pytest.approx(1.0)
     assert cl.ari([0, 0, 1, 1], [0, 1, 0, 1]) == pytest.approx(-0.5)  # (0 − 2/3) / (2 − 2/3)
     assert cl.nmi([0, 0, 1, 1], [0, 1, 0, 1]) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_ari_and_nmi_equal_scikit_learns_bit_for_bit():
+    """flockfl computes ARI and NMI in NumPy (no scikit-learn import on a run's path); they are
+    scikit-learn's numbers exactly, degenerate labelings (one cluster, all distinct, negatives) included."""
+    from sklearn.metrics import adjusted_rand_score, normalized_mutual_info_score
+
+    from flockfl.clustering.similarity import ari, nmi
+
+    rng = np.random.default_rng(0)
+    cases = [(np.zeros(5, int), np.zeros(5, int)), (np.arange(6), np.zeros(6, int)), (np.arange(7), np.arange(7)[::-1]),
+             (np.array([3]), np.array([-1]))]
+    for t in range(400):
+        n = int(rng.integers(2, 50))
+        a = rng.integers(0, int(rng.integers(1, 6)), n)
+        b = a.copy() if t % 5 == 0 else rng.integers(-2, int(rng.integers(0, 5)) + 1, n) * 3
+        cases.append((a, b))
+    for a, b in cases:
+        assert ari(a, b) == float(adjusted_rand_score(a, b)), (a, b)
+        assert nmi(a, b) == float(normalized_mutual_info_score(a, b)), (a, b)

@@ -295,3 +295,14 @@ def test_a_dataset_is_loaded_once_per_process_until_its_file_changes(tmp_path):
     os.utime(path, ns=(first_ns := path.stat().st_mtime_ns + 10**9, first_ns))
     again = load_dataset(cfg, 0, 4)
     assert again is not first and not again.x_train.any()
+
+
+def test_the_bundled_digits_are_read_without_scikit_learn_as_it_reads_them():
+    from sklearn.datasets import load_digits as sk_digits
+
+    from flockfl.data.images import _bundled_digits
+
+    images, target = _bundled_digits()
+    bunch = sk_digits()
+    assert images.dtype == bunch.images.dtype and np.array_equal(images, bunch.images)
+    assert np.array_equal(target, bunch.target)

@@ -4,7 +4,7 @@
   server's data are.
 - Label proportions (FedSC's data attribute I_i) and the label EMD used to measure label skew
   (NIID-Bench, thesis Table 5.3).
-- ARI / NMI against a ground truth (scikit-learn).
+- ARI / NMI against a ground truth (scikit-learn's formulas, in NumPy: no import on a run's path).
 - Embeddings of client updates for clustering: FlexCFL's EDC (Eq. 7) and IFCA's pre-training
   embeddings (per-layer unit blocks, raw updates, EDC).
 """
@@ -86,18 +86,61 @@ def pairwise_label_emd(props: np.ndarray) -> np.ndarray:
     return 0.5 * np.abs(props[:, None, :] - props[None, :, :]).sum(-1)
 
 
-def ari(a: np.ndarray, b: np.ndarray) -> float:
-    """Adjusted Rand index (scikit-learn ``adjusted_rand_score``)."""
-    from sklearn.metrics import adjusted_rand_score
+def contingency(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """[classes of a, classes of b] int64 counts of the pairs (a_i, b_i)."""
+    _, ia = np.unique(np.asarray(a), return_inverse=True)
+    _, ib = np.unique(np.asarray(b), return_inverse=True)
+    out = np.zeros((ia.max(initial=-1) + 1, ib.max(initial=-1) + 1), np.int64)
+    np.add.at(out, (ia.ravel(), ib.ravel()), 1)
+    return out
 
-    return float(adjusted_rand_score(np.asarray(a), np.asarray(b)))
+
+def ari(a: np.ndarray, b: np.ndarray) -> float:
+    """Adjusted Rand index, computed as scikit-learn's ``adjusted_rand_score`` (the pair
+    confusion matrix in integers, then its formula; tests hold the two equal) without importing
+    scikit-learn on a run's path."""
+    c = contingency(a, b)
+    n = int(c.sum())
+    squares = int((c * c).sum())
+    n_c, n_k = c.sum(1), c.sum(0)
+    fp = int((c @ n_k).sum()) - squares
+    fn = int((c.T @ n_c).sum()) - squares
+    tp = squares - n
+    tn = n * n - fp - fn - squares
+    if fn == 0 and fp == 0:
+        return 1.0
+    return 2.0 * (tp * tn - fn * fp) / ((tp + fn) * (fn + tn) + (tp + fp) * (fp + tn))
+
+
+def _entropy(c: np.ndarray) -> float:
+    p = c[c > 0].astype(np.float64)
+    if p.size <= 1:
+        return 0.0
+    total = p.sum()
+    return float(-np.sum((p / total) * (np.log(p) - np.log(total))))
 
 
 def nmi(a: np.ndarray, b: np.ndarray) -> float:
-    """Normalised mutual information (scikit-learn ``normalized_mutual_info_score``)."""
-    from sklearn.metrics import normalized_mutual_info_score
-
-    return float(normalized_mutual_info_score(np.asarray(a), np.asarray(b)))
+    """Normalised mutual information with the arithmetic mean of the entropies, computed as
+    scikit-learn's ``normalized_mutual_info_score`` (same terms, same order of summation)."""
+    c = contingency(a, b)
+    if c.shape[0] == c.shape[1] and c.shape[0] <= 1:
+        return 1.0
+    if c.shape[0] == 1 or c.shape[1] == 1:
+        return 0.0
+    rows, cols = np.nonzero(c)  # row-major, as scipy's find on the CSR matrix
+    val = c[rows, cols].astype(np.float64)
+    total = val.sum()
+    pi, pj = c.sum(1).astype(np.float64), c.sum(0).astype(np.float64)
+    share = val / total
+    outer = pi.take(rows).astype(np.int64) * pj.take(cols).astype(np.int64)
+    log_outer = -np.log(outer) + np.log(pi.sum()) + np.log(pj.sum())
+    mi = share * (np.log(val) - np.log(total)) + share * log_outer
+    mi = np.where(np.abs(mi) < np.finfo(mi.dtype).eps, 0.0, mi)
+    mi = float(np.clip(mi.sum(), 0.0, None))
+    if mi == 0:
+        return 0.0
+    return float(mi / ((_entropy(c.sum(1)) + _entropy(c.sum(0))) / 2))
 
 
 def edc_embedding(delta: np.ndarray, m: int, route: str = "gram", seed: int = 0) -> np.ndarray:
