@@ -20,7 +20,8 @@ from flockfl.algorithms import Algorithm
 from flockfl.clientstate import chunks
 from flockfl.config import ExperimentConfig
 from flockfl.context import RunContext
-from flockfl.engine import LocalSpec, TrainResult, choose_engine
+from flockfl.engine import LocalSpec, TrainResult
+from flockfl.engine.probe import cached_choice
 from flockfl.eval_protocol import ClientMetrics, Protocol, family, protocol
 from flockfl.eval_summary import note_trained, report_modes
 from flockfl.evaluation import measure_own, measure_shared
@@ -47,9 +48,10 @@ def pick_engine(prep: PreparedRun, state: ServerState, spec: LocalSpec) -> str:
     if cfg.engine != "auto":
         run.engine, run.engine_reason = cfg.engine, "configured"
     else:
-        run.engine, timings = choose_engine(prep.ctx.model, split_spec(spec, cfg.shard_size)[0], prep.ctx.data.train,
-                                            prep.ctx.data.task, prep.cfg.seed)
-        run.engine_reason = "auto: " + ", ".join(f"{k}={v:.4f}" for k, v in timings.items())
+        run.engine, timings, cached = cached_choice(prep.ctx.model, split_spec(spec, cfg.shard_size)[0],
+                                                    prep.ctx.data.train, prep.ctx.data.task, prep.cfg.seed)
+        run.engine_reason = ("auto (cached): " if cached else "auto: ") + ", ".join(f"{k}={v:.4f}"
+                                                                                     for k, v in timings.items())
     prep.ctx.engine = run.engine
     return run.engine
 

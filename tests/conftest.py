@@ -25,6 +25,8 @@ os.environ["FLOCKFL_CORES_DIR"] = os.path.join(_HOME, "cores")
 # with `pytest -n` workers each starting their own beside training tests, that can run out on a
 # 2-core machine; a user's run keeps Prefect's default
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+# the engine probe's verdicts (train.engine=auto), kept per pytest process, not in the user's cache
+os.environ["FLOCKFL_PROBE_CACHE"] = os.path.join(_HOME, "engine-probe.json")
 # partitions the in-process tests build, one folder per pytest process
 PARTS = os.path.join(_HOME, "parts")
 

@@ -154,6 +154,48 @@ def test_choose_engine_returns_a_trainer_and_timings():
     assert choice in ("reference", "vectorized") and t["reference_s_est"] > 0 and t["vectorized_s_est"] > 0
 
 
+def test_the_probe_verdict_is_kept_per_model_shapes_and_threads(tmp_path, monkeypatch):
+    """The second run of the same setting reads the verdict; another batch size, model or
+    thread count measures anew; a damaged cache is measured over; ``off`` keeps nothing."""
+    from flockfl.engine import probe
+
+    calls = []
+
+    def fake(model, spec, data, task, seed):
+        calls.append(spec.batch_size)
+        return "reference", {"reference_s_est": 1.0, "vectorized_s_est": 2.0, "vectorized_step_s": 0.1}
+
+    monkeypatch.setattr(probe, "choose_engine", fake)
+    cache = tmp_path / "probe.json"
+    monkeypatch.setenv(probe.CACHE_ENV, str(cache))
+    data = random_clients([20] * 8)
+    model = build_model("mlp", (1, 8, 8), 10, 16)
+    init = stack([init_params(model, torch_generator(0, client=i, purpose="init")) for i in range(8)])
+    spec = LocalSpec(np.arange(8), init, 0.1, epochs=1, batch_size=5)
+    assert probe.cached_choice(model, spec, data.train, data.task, 0) == ("reference", fake(0, spec, 0, 0, 0)[1], False)
+    calls.clear()
+    assert probe.cached_choice(model, spec, data.train, data.task, 0)[2] is True and calls == []
+    assert probe.cached_choice(model, LocalSpec(np.arange(8), init, 0.1, epochs=1, batch_size=4), data.train,
+                               data.task, 0)[2] is False
+    other = build_model("mlp", (1, 8, 8), 10, 32)
+    init2 = stack([init_params(other, torch_generator(0, client=i, purpose="init")) for i in range(8)])
+    assert probe.cached_choice(other, LocalSpec(np.arange(8), init2, 0.1, epochs=1, batch_size=5), data.train,
+                               data.task, 0)[2] is False
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert probe.cached_choice(model, spec, data.train, data.task, 0)[2] is False
+    finally:
+        torch.set_num_threads(threads)
+    cache.write_text("{not json")
+    assert probe.cached_choice(model, spec, data.train, data.task, 0)[2] is False
+    assert probe.cached_choice(model, spec, data.train, data.task, 0)[2] is True
+    monkeypatch.setenv(probe.CACHE_ENV, "off")
+    calls.clear()
+    assert probe.cached_choice(model, spec, data.train, data.task, 0)[2] is False
+    assert probe.cached_choice(model, spec, data.train, data.task, 0)[2] is False and len(calls) == 2
+
+
 def test_choose_engine_scales_only_the_per_step_cost(monkeypatch):
     """The vectorised estimate is its fixed cost plus steps × its cost per step: a cohort trainer
     with 1 s of fixed work (BN calibration, say) and 10 ms a step is estimated at 1.2 s for 20

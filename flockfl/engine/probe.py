@@ -1,14 +1,29 @@
 """``train.engine=auto``'s probe: :func:`choose_engine` times both trainers of
 :mod:`flockfl.engine.trainers` on a cohort and returns the faster one with the timings (the
 round driver asks it once, on the first cohort, and keeps the choice).
+
+:func:`cached_choice` keeps the verdicts on this machine (1.5-31 s a run measured here), keyed
+by what the timings depend on: the model's architecture and parameter shapes, the data's
+sample shape and device, the cohort's size, steps, batch and which extra terms its spec
+carries, the threads, torch's version and the machine. The file is
+``$XDG_CACHE_HOME/flockfl/engine-probe.json`` (else ``~/.cache/...``; ``FLOCKFL_PROBE_CACHE``
+names another, ``off`` turns the cache off). A run records which (``engine_reason`` says
+``cached``), and a resumed run keeps its state's choice as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
+import os
+import platform
 import time
+from pathlib import Path
+from typing import Optional
 
 import numpy as np
+import torch
 from torch import nn
 
 from flockfl.engine.data import Split
@@ -51,3 +66,56 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
     vec = one + per_step * (steps - 1)
     choice = "vectorized" if vec <= ref else "reference"
     return choice, {"reference_s_est": ref, "vectorized_s_est": vec, "vectorized_step_s": per_step}
+
+
+CACHE_ENV = "FLOCKFL_PROBE_CACHE"
+
+
+def cache_path() -> Optional[Path]:
+    given = os.environ.get(CACHE_ENV, "").strip()
+    if given.lower() in ("off", "0", "false", "no"):
+        return None
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flockfl" / "engine-probe.json"
+
+
+def probe_key(model: nn.Module, spec: LocalSpec, data: Split, seed: int) -> str:
+    """What the two trainers' times depend on (not the data's values, nor the seed's draws)."""
+    steps = max(len(b) for b in cohort_schedule(spec, data.sizes, seed, 2**31 - 2))
+    extras = sorted(f.name for f in dataclasses.fields(spec)
+                    if f.name not in ("clients", "init", "lr", "meta", "stream", "lr_schedule")
+                    and getattr(spec, f.name) not in (None, 0, 0.0, False) and not isinstance(getattr(spec, f.name), str))
+    facts = {"model": repr(model), "shapes": {k: list(v.shape) for k, v in spec.init.items()},
+             "sample": list(data.x.shape[1:]), "dtype": str(data.x.dtype), "device": str(data.x.device),
+             "clients": len(spec.clients), "steps": steps, "batch": spec.batch_size, "extras": extras,
+             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.node(),
+             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def cached_choice(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int) -> tuple[str, dict, bool]:
+    """:func:`choose_engine`'s verdict, from this machine's cache when it holds one for the same
+    key, else measured and kept: (choice, timings, cached)."""
+    path = cache_path()
+    key = probe_key(model, spec, data, seed) if path else ""
+    known: dict = {}
+    if path and path.is_file():
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}  # a damaged cache is measured over
+    hit = known.get(key) if path else None
+    if isinstance(hit, dict) and hit.get("choice") in ("vectorized", "reference"):
+        return hit["choice"], dict(hit.get("timings") or {}), True
+    choice, timings = choose_engine(model, spec, data, task, seed)
+    if path:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**known, key: {"choice": choice, "timings": timings}}, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a cache that cannot be written is measured next time
+    return choice, timings, False
