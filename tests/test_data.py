@@ -274,27 +274,35 @@ def test_uneven_client_sizes_follow_difca_and_cover_the_data(tmp_path):
 
 def test_a_dataset_is_loaded_once_per_process_until_its_file_changes(tmp_path):
     """``flockfl run`` checks the partition before its flow and the flow loads the data again:
-    the second load is the first's object; a changed npz file, or other settings, load anew."""
+    the second load shares the first's arrays (in its own Dataset: PFLlib's merge replaces the
+    splits on the caller's copy only); a changed npz file, or other settings, load anew."""
     import os
 
     from flockfl.config import DatasetConfig
     from flockfl.data.datasets import load_dataset
 
+    from flockfl.data.datasets import merge_splits
+
     digits = DatasetConfig(name="digits")
-    assert load_dataset(digits, 0, 10) is load_dataset(digits, 0, 10)
-    assert load_dataset(digits, 1, 10) is not load_dataset(digits, 0, 10)
+    a, b = load_dataset(digits, 0, 10), load_dataset(digits, 0, 10)
+    assert a is not b and a.x_train is b.x_train and a.y_test is b.y_test
+    assert load_dataset(digits, 1, 10).x_train is not a.x_train
+    n = len(a.y_train)
+    merge_splits(a)  # in place, on this caller's Dataset only
+    assert len(a.y_train) > n and len(load_dataset(digits, 0, 10).y_train) == n == len(b.y_train)
+    assert "merged_splits" not in load_dataset(digits, 0, 10).meta
     path = tmp_path / "d.npz"
     rng = np.random.default_rng(0)
     np.savez(path, x_train=rng.normal(size=(20, 3)).astype(np.float32), y_train=np.arange(20) % 2,
              x_test=rng.normal(size=(6, 3)).astype(np.float32), y_test=np.arange(6) % 2)
     cfg = DatasetConfig(name="npz", path=str(path))
     first = load_dataset(cfg, 0, 4)
-    assert load_dataset(cfg, 0, 4) is first
+    assert load_dataset(cfg, 0, 4).x_train is first.x_train
     np.savez(path, x_train=np.zeros((20, 3), np.float32), y_train=np.arange(20) % 2,
              x_test=np.zeros((6, 3), np.float32), y_test=np.arange(6) % 2)
     os.utime(path, ns=(first_ns := path.stat().st_mtime_ns + 10**9, first_ns))
     again = load_dataset(cfg, 0, 4)
-    assert again is not first and not again.x_train.any()
+    assert again.x_train is not first.x_train and not again.x_train.any()
 
 
 def test_the_bundled_digits_are_read_without_scikit_learn_as_it_reads_them():

@@ -27,7 +27,16 @@ def test_an_error_raised_while_handling_an_interrupt_is_an_interrupt():
     assert not interrupt.interrupted(RuntimeError("plain"))
 
 
-def test_a_sigint_during_the_watch_is_noted_and_still_interrupts():
+@pytest.fixture
+def sigint_default():
+    """Python's own SIGINT handler for the test: a pytest-xdist worker starts with SIGINT
+    ignored (Ctrl-C is its controller's), which the watch rightly leaves alone."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_sigint_during_the_watch_is_noted_and_still_interrupts(sigint_default):
     with interrupt.watch():
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)

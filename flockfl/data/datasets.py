@@ -64,17 +64,19 @@ LOADERS: Registry = Registry("dataset", {
 def load_dataset(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Dataset:
     """The configured dataset. A built-in one is loaded once per process for the same settings
     and files (``flockfl run`` checks the partition before its flow, whose first task loads the
-    data again; a sweep's cells share it): the last one loaded is kept. Loaders build new
-    arrays and nothing writes into a Dataset's, so handing out the same object is safe."""
+    data again; a sweep's cells share it): the last one loaded is kept, and each caller gets its
+    own Dataset over the same arrays. Nothing writes into a Dataset's arrays; a caller may
+    replace them on its own copy (:func:`merge_splits` pools the splits in place)."""
     key = _memo_key(cfg, seed, num_clients)
-    if key is not None and key in _LAST:
-        return _LAST[key]
-    ds = LOADERS[cfg.name](cfg, seed, num_clients)
-    ds = standardise_channels(ds, cfg) if cfg.normalize == "per_channel" else ds
-    if key is not None:
+    if key is None or key not in _LAST:
+        ds = LOADERS[cfg.name](cfg, seed, num_clients)
+        ds = standardise_channels(ds, cfg) if cfg.normalize == "per_channel" else ds
+        if key is None:
+            return ds
         _LAST.clear()
         _LAST[key] = ds
-    return ds
+    kept = _LAST[key]
+    return dataclasses.replace(kept, meta=dict(kept.meta))
 
 
 _LAST: dict = {}  # the last built-in dataset loaded in this process, by _memo_key
