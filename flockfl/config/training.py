@@ -96,7 +96,7 @@ class TrainConfig(_Section):
     # bit-identical; true = TF32 and non-deterministic kernels (faster, gives up bit-identity)
     fast_math: bool = False
     # clients per chunk when evaluating or fine-tuning every client (bounds memory at scale)
-    eval_chunk: int = Field(1024, ge=1)
+    eval_chunk: int = Field(256, ge=1)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = number of cores (max 4)
     eval_every: int = Field(1, ge=1, description="evaluate every this many rounds, and always after the last")
     max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
