@@ -267,6 +267,7 @@ def test_auto_beta_and_k_together_are_refused():
         validate(tiny_config(algorithm={"name": "pacfl", "beta": "auto", "k": 2}))
 
 
+@pytest.mark.slow  # a whole flockfl run with MLflow (64 s in the parallel suite): the full suite's, not the fast tier's
 def test_the_cli_prints_and_logs_the_evidence(workdir):
     out = run_flock(["run", "digits_dirichlet", "--json", "--no-progress",
                      "--set", "dataset.name=digits", "--set", "model.name=mlp", "--set", "model.hidden=32",

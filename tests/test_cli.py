@@ -131,6 +131,7 @@ def test_did_you_mean(in_workdir, capsys, argv, hint):
     assert hint in err and err.count("\n") == 1, err
 
 
+@pytest.mark.slow  # two whole flockfl runs (59 s in the parallel suite): the full suite's, not the fast tier's
 def test_summary_is_short_and_a_log_gets_a_line_per_round(workdir):
     """Without a terminal, each round is one line (a log reads as a log); the summary that
     follows is at most ~12 lines; --json keeps everything, and its progress goes to stderr."""

@@ -40,6 +40,7 @@ def project(d: Path, name: str = "sched") -> Path:
 # ---------------------------------------------------------------------- without a server
 
 
+@pytest.mark.slow  # a killed scheduled run, its resume and a new one (49 s in the parallel suite): the full suite's, not the fast tier's
 def test_scheduled_run_resumes_a_cut_off_run_then_starts_anew(tmp_path):
     """The scheduled flow (called here as a flow, on the ephemeral API): the latest run of its
     config was SIGKILLed at round 2, so it resumes it in place; the next one starts anew."""
