@@ -32,9 +32,12 @@ def assert_same(a: dict, b: dict):
 
 
 # ---------------------------------------------------------------------- bad values: one line, exit 2
+# each case is a real `flockfl` process (5-30 s in the parallel suite): the fast tier runs the first,
+# the full suite all of them
 @pytest.mark.parametrize("name,key,bad", [
-    ("pfedme", "local_rounds", 0), ("pfedme", "local_rounds", 2.5), ("pfedme", "inner_l2", -0.001),
-    ("pfedme", "train_all_clients", "yes"), ("perfedavg", "eval_model", "personal_ft"),
+    ("pfedme", "local_rounds", 0), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("pfedme", "local_rounds", 2.5), ("pfedme", "inner_l2", -0.001),
+        ("pfedme", "train_all_clients", "yes"), ("perfedavg", "eval_model", "personal_ft"))),
 ])
 def test_a_bad_value_of_a_new_key_exits_2_with_one_line(workdir, name, key, bad):
     raw = tiny_config(name="bad-key", algorithm={"name": name, key: bad})

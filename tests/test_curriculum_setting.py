@@ -139,6 +139,7 @@ def test_fedavg_is_algorithm_1(engine, tmp_path):
     np.testing.assert_allclose(run["accs"], run["ref_accs"], atol=1e-12)
 
 
+@pytest.mark.slow  # checks the lockstep test's own strength (11-17 s): the full suite's, not the fast tier's
 def test_the_lockstep_sees_each_rule(tmp_path):
     """Each of Algorithm 1's choices moves the result far past the tolerance: a uniform server
     mean, a constant rate, no momentum, no weight decay."""

@@ -252,10 +252,12 @@ def test_regression_has_only_the_proportional_test_set(tmp_path):
         run_rounds(prepare_data(validate({**raw, "eval": {"test_set": "label_union"}}), data))
 
 
+# each case is a real `flockfl` process (5-13 s in the parallel suite): the fast tier runs the first,
+# the full suite all of them
 @pytest.mark.parametrize("setting,needle", [
-    ("eval.test_set=everything", "eval.test_set"), ("eval.average=median", "eval.average"),
-    ("eval.report=worst", "eval.report"), ("eval.last_k=0", "eval.last_k"),
-    ("eval.conventions=some", "eval.conventions")])
+    ("eval.test_set=everything", "eval.test_set"), *(pytest.param(*case, marks=pytest.mark.slow) for case in (
+        ("eval.average=median", "eval.average"), ("eval.report=worst", "eval.report"),
+        ("eval.last_k=0", "eval.last_k"), ("eval.conventions=some", "eval.conventions")))])
 def test_bad_eval_values_exit_2_with_one_line(workdir, setting, needle):
     res = run_flock(["run", "ifca_rotated_digits", "--set", setting], workdir, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]

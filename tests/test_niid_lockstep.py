@@ -395,6 +395,7 @@ def test_scaffold_niid_bench_c_init_cancels_at_full_participation(tmp_path):
     assert max(partial.diffs) > 1e3 * TOL_64
 
 
+@pytest.mark.slow  # checks the lockstep test's own strength (11-17 s): the full suite's, not the fast tier's
 def test_the_lockstep_sees_each_rule(tmp_path):
     """The tolerance is far below what each rule changes: flockfl's SCAFFOLD with its default
     uniform model mean (the paper's) ends far from NIID-Bench's size-weighted one; a reference

@@ -148,7 +148,8 @@ def test_an_unset_beta_is_a_one_line_error_naming_the_key_and_the_published_valu
     assert ("4.9" if name == "pacfl" else "0.5 on FMNIST") in msg and "set algorithm.beta" in msg
 
 
-@pytest.mark.parametrize("name", ["pacfl", "flis_hc"])
+# a real `flockfl` process each (5-18 s in the parallel suite): the fast tier runs PACFL's
+@pytest.mark.parametrize("name", ["pacfl", pytest.param("flis_hc", marks=pytest.mark.slow)])
 def test_the_cli_stops_with_exit_2_and_one_line_when_beta_is_unset(workdir, name):
     raw = tiny_config(name="no-beta", algorithm={"name": name})
     (workdir / "no_beta.yaml").write_text(yaml.safe_dump(raw))
