@@ -65,14 +65,30 @@ def make_cfg():
     return lambda **over: validate(tiny_config(**over))
 
 
-def flock_env(extra: dict | None = None) -> dict:
+def shared_api() -> str:
+    """This pytest process's Prefect API (``flows.apiserver``: a real server, tied to this
+    process, on 127.0.0.1), started at the first call. The ``flockfl`` subprocesses of the tests
+    use it as a user's configured API (``flockfl server``), so each does not start and import a
+    server of its own (~5 s of CPU each, the suite's largest fixed cost); tests of the
+    per-process API pass ``per_process=True``. ``FLOCKFL_TEST_SHARED_API=0`` turns it off."""
+    from flows import apiserver
+
+    server = apiserver.start(home=_HOME)
+    url = server.api_url if server is not None else os.environ["PREFECT_API_URL"]
+    apiserver.wait_ready(180)
+    return url
+
+
+def flock_env(extra: dict | None = None, per_process: bool = False) -> dict:
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(ROOT)
     env.pop("FLOCKFL_CRASH_AT", None)
-    # an in-process `flockfl run` of an earlier test pointed this process's PREFECT_API_URL at
-    # its own per-process API; a flockfl subprocess starts its own unless a test passes one
+    # a flockfl subprocess uses this process's API (an in-process `flockfl run` of an earlier test
+    # pointed PREFECT_API_URL at the same per-process server), or starts its own (per_process)
     env.pop("PREFECT_API_URL", None)
+    if not per_process and os.environ.get("FLOCKFL_TEST_SHARED_API", "1") != "0":
+        env["PREFECT_API_URL"] = shared_api()
     # mlflow.set_tracking_uri (an in-process Tracker of an earlier test) exports
     # MLFLOW_TRACKING_URI: a flockfl subprocess would log to that test's store, not to its cwd's
     env.pop("MLFLOW_TRACKING_URI", None)

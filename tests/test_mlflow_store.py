@@ -35,7 +35,7 @@ def test_runs_started_together_on_a_new_store_all_finish(tmp_path):
     assert not db.exists()
     # a new Prefect home too: the per-process Prefect API servers must not migrate one new
     # database at once either (flows/apiserver's first-start lock)
-    env = flock_env({"PREFECT_HOME": str(tmp_path / "prefect-home")})
+    env = flock_env({"PREFECT_HOME": str(tmp_path / "prefect-home")}, per_process=True)
     procs = []
     for i in range(3):
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")

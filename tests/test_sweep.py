@@ -120,9 +120,9 @@ def test_bad_grid_is_one_line(project):
         assert len(lines) == 1 and lines[0].startswith("flockfl: error:") and needle in lines[0], res.stderr
 
 
-def _popen_flock(args, cwd: Path, out):
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(), stdout=out,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+def _popen_flock(args, cwd: Path, out, per_process: bool = False):
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(per_process=per_process),
+                            stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def _wait_for(pred, timeout: float, proc=None) -> None:
@@ -193,7 +193,8 @@ def test_sigkilled_flock_run_leaves_no_process(project):
 
     run_dir = project / "runs/orphan"
     with tempfile.TemporaryFile("w+") as out:
-        proc = _popen_flock(["run", "long.yaml", "--run-dir", str(run_dir), "--tracking-uri", uri(project)], project, out)
+        proc = _popen_flock(["run", "long.yaml", "--run-dir", str(run_dir), "--tracking-uri", uri(project)], project, out,
+                            per_process=True)
         try:
             _wait_for(lambda: len(list((run_dir / "checkpoints").glob("ckpt-*.pt"))) >= 2, 180, proc)
             kids = psutil.Process(proc.pid).children(recursive=True)
