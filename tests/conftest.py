@@ -74,9 +74,8 @@ def shared_api() -> str:
     from flows import apiserver
 
     server = apiserver.start(home=_HOME)
-    url = server.api_url if server is not None else os.environ["PREFECT_API_URL"]
     apiserver.wait_ready(180)
-    return url
+    return server.api_url if server is not None else apiserver.configured_api_url()
 
 
 def flock_env(extra: dict | None = None, per_process: bool = False) -> dict:

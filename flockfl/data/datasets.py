@@ -18,6 +18,7 @@ the train and test sets into one (:func:`merge_splits`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -83,19 +84,23 @@ _LAST: dict = {}  # the last built-in dataset loaded in this process, by _memo_k
 
 
 def _memo_key(cfg: DatasetConfig, seed: int, num_clients: Optional[int]) -> Optional[tuple]:
-    """The settings and the files' (size, mtime) a load depends on; None for a plugin's dataset
-    (its loader may read anything) or a path that cannot be read (the loader says why)."""
+    """The settings, the working folder (a relative ``dataset.path`` and the IDX loaders'
+    ``data/raw/<name>/`` are read from it) and the files' (size, mtime) a load depends on; None
+    for a plugin's dataset (its loader may read anything) or a path that cannot be read (the
+    loader says why)."""
     if cfg.name not in LOADERS.builtins():
         return None
-    files: tuple = ()
+    files: list = []
     if cfg.path:
         try:
             root = Path(cfg.path)
-            found = sorted(root.rglob("*")) if root.is_dir() else [root]
-            files = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in found if f.is_file())
+            for f in sorted(root.rglob("*")) if root.is_dir() else [root]:
+                st = f.stat()
+                if f.is_file():
+                    files.append((str(f), st.st_size, st.st_mtime_ns))
         except OSError:
             return None
-    return cfg.model_dump_json(), seed, num_clients, files
+    return cfg.model_dump_json(), seed, num_clients, os.getcwd(), tuple(files)
 
 
 def standardise_channels(ds: Dataset, cfg: DatasetConfig) -> Dataset:

@@ -99,23 +99,22 @@ def cached_choice(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
     """:func:`choose_engine`'s verdict, from this machine's cache when it holds one for the same
     key, else measured and kept: (choice, timings, cached)."""
     path = cache_path()
-    key = probe_key(model, spec, data, seed) if path else ""
-    known: dict = {}
-    if path and path.is_file():
-        try:
-            known = json.loads(path.read_text())
-        except (OSError, ValueError):
-            known = {}  # a damaged cache is measured over
-    hit = known.get(key) if path else None
+    if path is None:
+        return (*choose_engine(model, spec, data, task, seed), False)
+    key = probe_key(model, spec, data, seed)
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        known = {}  # a damaged cache is measured over
+    hit = known.get(key)
     if isinstance(hit, dict) and hit.get("choice") in ("vectorized", "reference"):
         return hit["choice"], dict(hit.get("timings") or {}), True
     choice, timings = choose_engine(model, spec, data, task, seed)
-    if path:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**known, key: {"choice": choice, "timings": timings}}, sort_keys=True))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a cache that cannot be written is measured next time
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**known, key: {"choice": choice, "timings": timings}}, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written is measured next time
     return choice, timings, False
