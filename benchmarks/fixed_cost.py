@@ -40,30 +40,58 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENT = "ifca_rotated_digits"
-FLOORS = {"import torch, prefect, mlflow": "import torch, prefect, mlflow",
-          "… + sklearn.datasets, matplotlib.pyplot": "import torch, prefect, mlflow, sklearn.datasets, matplotlib.pyplot"}
+# measured the way the CLI ends: os._exit, no interpreter teardown
+FLOORS = {"import torch, prefect, mlflow": "import os, torch, prefect, mlflow; os._exit(0)",
+          "… + sklearn.datasets, matplotlib.pyplot": "import os, torch, prefect, mlflow, sklearn.datasets, matplotlib.pyplot; os._exit(0)"}
+RESIDENT_DIRS: dict[str, Path] = {}  # code tree -> the folder of its resident flockfl
 
 
-def _env(tree: Path, project: Path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "FLOCKFL_CRASH"))}
+def _env(tree: Path, project: Path, mode: str = "plain") -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "FLOCKFL_CRASH", "FLOCKFL_RESIDENT",
+                                                                    "FLOCKFL_WAIT"))}
     env.update(PYTHONPATH=str(tree), PREFECT_HOME=str(project / ".prefect"), MLFLOW_TRACKING_URI=f"sqlite:///{project}/mlflow.db")
+    if mode == "resident":
+        env.update(FLOCKFL_RESIDENT="auto", FLOCKFL_RESIDENT_DIR=str(RESIDENT_DIRS.setdefault(str(tree), Path(
+            tempfile.mkdtemp(prefix="flockfl-fc-resident-")))))
+    else:
+        env["FLOCKFL_RESIDENT"] = "off"
     return env
 
 
-def _flock(tree: Path, project: Path, args: list[str]) -> tuple[float, dict]:
+def start_resident(tree: Path, project: Path) -> None:
+    """A first command starts the tree's resident; wait until it serves."""
+    env = _env(tree, project, "resident")
+    subprocess.run([sys.executable, "-m", "flows.cli", "list"], cwd=project, env=env, capture_output=True)
+    deadline = time.monotonic() + 300
+    while not list(Path(env["FLOCKFL_RESIDENT_DIR"]).glob("*.sock")):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no resident flockfl started for {tree}")
+        time.sleep(0.5)
+
+
+def stop_residents() -> None:
+    for d in RESIDENT_DIRS.values():
+        for f in d.glob("*.pid"):
+            try:
+                os.kill(int(f.read_text()), 15)
+            except (OSError, ValueError):
+                pass
+
+
+def _flock(tree: Path, project: Path, args: list[str], mode: str = "plain") -> tuple[float, dict]:
     """One flockfl command: (seconds measured outside the process, its JSON summary)."""
     t = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "flows.cli", *args, "--json", "--no-progress"], cwd=project,
-                         env=_env(tree, project), capture_output=True, text=True)
+                         env=_env(tree, project, mode), capture_output=True, text=True)
     wall = time.perf_counter() - t
     if res.returncode:
         raise SystemExit(f"flockfl {' '.join(args)} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return wall, json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def standalone(tree: Path, project: Path, tag: str, rounds: int, fmt: str) -> dict:
+def standalone(tree: Path, project: Path, tag: str, rounds: int, fmt: str, mode: str = "plain") -> dict:
     wall, s = _flock(tree, project, ["run", EXPERIMENT, "--set", f"train.rounds={rounds}", "--set",
-                                     f"tracking.model_format={fmt}", "--run-dir", f"runs/{tag}"])
+                                     f"tracking.model_format={fmt}", "--run-dir", f"runs/{tag}"], mode)
     p = s["phases_s"]
     close_wait = p.get("close_wait", 0.0)
     in_flow_models = p.get("models", 0.0)  # before: the export ran inside the flow, on the main thread
@@ -86,10 +114,10 @@ def standalone(tree: Path, project: Path, tag: str, rounds: int, fmt: str) -> di
     }
 
 
-def sweep(tree: Path, project: Path, tag: str, rounds: int, fmt: str, seeds: int) -> dict:
+def sweep(tree: Path, project: Path, tag: str, rounds: int, fmt: str, seeds: int, mode: str = "plain") -> dict:
     wall, s = _flock(tree, project, ["sweep", EXPERIMENT, "--set", f"train.rounds={rounds}", "--set",
                                      f"tracking.model_format={fmt}", "--seeds", *map(str, range(seeds)),
-                                     "--sweep-dir", f"runs/{tag}"])
+                                     "--sweep-dir", f"runs/{tag}"], mode)
     return {"sweep: fixed cost per run (median)": s["fixed_s_per_run_median"], "sweep: the whole sweep (in-process)": s["wall_s"],
             "sweep: the whole process (measured outside)": wall}
 
@@ -108,12 +136,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--formats", nargs="+", default=["pt2", "pickle"], choices=["pt2", "pickle"])
     ap.add_argument("--seeds", type=int, default=3, help="runs per sweep (0: no sweep rows)")
+    ap.add_argument("--modes", nargs="+", default=["plain", "resident"], choices=["plain", "resident"],
+                    help="the code after as plain processes (FLOCKFL_RESIDENT=off) and/or through its resident "
+                         "flockfl (started and waited for first); the code before runs plain")
     ap.add_argument("--json", type=Path, help="also write every measurement here")
     args = ap.parse_args()
 
     trees = ([("before", args.baseline.resolve())] if args.baseline else []) + [("after", args.after.resolve())]
-    configs = [(name, tree, fmt) for name, tree in trees for fmt in args.formats]
-    samples: dict[str, dict[str, list[float]]] = {f"{n} {f}": {} for n, _, f in configs}
+    configs = [(name, tree, fmt, mode) for name, tree in trees for fmt in args.formats
+               for mode in (["plain"] if name == "before" else args.modes)]
+    samples: dict[str, dict[str, list[float]]] = {f"{n} {f}" + (" resident" if m == "resident" else ""): {}
+                                                  for n, _, f, m in configs}
     floors: dict[str, list[float]] = {k: [] for k in FLOORS}
     with tempfile.TemporaryDirectory(prefix="flockfl-fixed-cost-") as tmp:
         projects = {}
@@ -123,18 +156,22 @@ def main() -> None:
             (projects[name] / "params.yaml").write_text((tree / "params.yaml").read_text())
             # warm: the store, the Prefect database, the partition, the page cache
             standalone(tree, projects[name], "warm", args.rounds, args.formats[0])
+            if name == "after" and "resident" in args.modes:
+                start_resident(tree, projects[name])
+                standalone(tree, projects[name], "warm-resident", args.rounds, args.formats[0], "resident")
         for i in range(args.repeats):
-            for name, tree, fmt in configs:
-                key, project = f"{name} {fmt}", projects[name]
-                rows = standalone(tree, project, f"{fmt}-{i}", args.rounds, fmt)
+            for name, tree, fmt, mode in configs:
+                key, project = f"{name} {fmt}" + (" resident" if mode == "resident" else ""), projects[name]
+                rows = standalone(tree, project, f"{fmt}-{mode}-{i}", args.rounds, fmt, mode)
                 if args.seeds:
-                    rows.update(sweep(tree, project, f"sweep-{fmt}-{i}", args.rounds, fmt, args.seeds))
+                    rows.update(sweep(tree, project, f"sweep-{fmt}-{mode}-{i}", args.rounds, fmt, args.seeds, mode))
                 for k, v in rows.items():
                     samples[key].setdefault(k, []).append(v)
                 print(f"repeat {i + 1}/{args.repeats} {key}: {rows['total (measured outside)']:.2f} s total", file=sys.stderr,
                       flush=True)
             for k, code in FLOORS.items():
                 floors[k].append(floor(code))
+        stop_residents()
 
     cols = list(samples)
     med = {c: {k: statistics.median(v) for k, v in samples[c].items()} for c in cols}

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from flows.env import tie_to_parent
 
@@ -82,14 +82,56 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _app_dir() -> str:
+    spec = importlib.util.find_spec("prefect")  # found, not imported (importing costs ~2 s)
+    if spec is None or not spec.submodule_search_locations:
+        raise ApiServerError("Prefect is not installed; reinstall flockfl (./run test sets it up)")
+    return str(Path(list(spec.submodule_search_locations)[0]).parent)
+
+
+def _popen(app_dir: str, env: dict, log_path: Path) -> tuple[subprocess.Popen, int]:
+    """Start the server (ephemeral settings, 127.0.0.1, a free port), tied to this process."""
+    port = _free_port()
+    env = {**env, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "uvicorn", "--app-dir", app_dir, "--factory",
+           "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+           "--log-level", "error", "--lifespan", "on"]
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                preexec_fn=tie_to_parent(os.getpid()))
+    return proc, port
+
+
+def spawn_server(log_dir: Path, env: dict, tag: str) -> tuple[subprocess.Popen, str]:
+    """A server the resident flockfl keeps for its children (flows/resident.py): (process, API URL)."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    proc, port = _popen(_app_dir(), env, log_dir / f"api-server-{tag}.log")
+    return proc, f"http://127.0.0.1:{port}/api"
+
+
+class KeptServer:
+    """The resident's server for this process's Prefect home: waited for, never stopped here."""
+
+    def __init__(self, api_url: str):
+        self.api_url, self.ready = api_url, False
+
+    def wait(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready and time.monotonic() < deadline:
+            self.ready = healthy(self.api_url)
+            if not self.ready:
+                time.sleep(0.05)
+        if not self.ready:
+            raise ApiServerError(f"the resident flockfl's Prefect API ({self.api_url}) did not answer within "
+                                 f"{timeout:.0f} s (FLOCKFL_RESIDENT=off runs commands as plain processes)")
+
+
 class ApiServer:
     """One ephemeral Prefect API server process, tied to this process."""
 
     def __init__(self, log_dir: Path, home: Optional[Path] = None):
-        spec = importlib.util.find_spec("prefect")  # found, not imported (importing costs ~2 s)
-        if spec is None or not spec.submodule_search_locations:
-            raise ApiServerError("Prefect is not installed; reinstall flockfl (./run test sets it up)")
-        self.app_dir = str(Path(list(spec.submodule_search_locations)[0]).parent)
+        self.app_dir = _app_dir()
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"api-server-{os.getpid()}.log"
         self.proc: Optional[subprocess.Popen] = None
@@ -106,15 +148,7 @@ class ApiServer:
         return f"http://127.0.0.1:{self.port}/api"
 
     def _spawn(self) -> None:
-        self.port = _free_port()
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-        env.pop("PREFECT_API_URL", None)
-        cmd = [sys.executable, "-m", "uvicorn", "--app-dir", self.app_dir, "--factory",
-               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
-               "--log-level", "error", "--lifespan", "on"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                         preexec_fn=tie_to_parent(os.getpid()))
+        self.proc, self.port = _popen(self.app_dir, dict(os.environ), self.log_path)
 
     def _when_ready(self, lock, timeout: float = 120.0) -> None:
         """Hold ``lock`` (if any) until this server answers, exits or ``timeout`` passes (whatever
@@ -220,7 +254,7 @@ def configured_api_url() -> Optional[str]:
         return None
 
 
-def start(home: Optional[str] = None) -> Optional[ApiServer]:
+def start(home: Optional[str] = None) -> Optional[Union[ApiServer, "KeptServer"]]:
     """Spawn the process's API server and point ``PREFECT_API_URL`` at it (once per process).
 
     Returns None when the user configured an API (``PREFECT_API_URL``) or the profile names one."""
@@ -229,6 +263,16 @@ def start(home: Optional[str] = None) -> Optional[ApiServer]:
         return _server
     if configured_api_url():
         return None
+    from flows import resident
+
+    try:
+        kept = resident.api_url()  # a resident's child: the resident keeps one server per home
+    except RuntimeError as err:
+        raise ApiServerError(str(err)) from None
+    if kept:
+        _server = KeptServer(kept)
+        os.environ["PREFECT_API_URL"] = kept
+        return _server
     home_dir = Path(home or os.environ.get("PREFECT_HOME") or Path.cwd() / ".prefect")
     _server = ApiServer(home_dir / "logs", home_dir)
     atexit.register(_server.stop)

@@ -68,6 +68,10 @@ def _common(p: argparse.ArgumentParser, config: bool = True) -> None:
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: MLFLOW_TRACKING_URI or sqlite:///mlflow.db)")
     p.add_argument("--partitions", default="data/partitions", help="partitions folder")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--wait", action="store_true",
+                   help="return only when the models are exported and registered and the MLflow run is FINISHED "
+                        "(what a resident flockfl otherwise finishes after the command returned; FLOCKFL_WAIT=1 "
+                        "sets it for every command)")
     if config:
         p.add_argument("--params", default="params.yaml")
         p.add_argument("--metrics-file", help="also write the final metrics here (for DVC)")
@@ -103,10 +107,16 @@ def cmd_run(args) -> dict:
 
 
 def _execute(cfg, run_dir: Path, args, fresh: bool) -> dict:
+    from flows import resident
     from flows.experiment import execute
 
-    return execute(cfg, run_dir, tracking_uri=args.tracking_uri, partitions_root=args.partitions, fresh=fresh,
-                   progress=False if args.no_progress else ("stderr" if args.json else True), metrics_file=getattr(args, "metrics_file", None))
+    wait = args.wait or os.environ.get("FLOCKFL_WAIT", "") not in ("", "0") or not resident.in_child()
+    out = execute(cfg, run_dir, tracking_uri=args.tracking_uri, partitions_root=args.partitions, fresh=fresh,
+                  progress=False if args.no_progress else ("stderr" if args.json else True),
+                  metrics_file=getattr(args, "metrics_file", None), wait=wait)
+    if not wait and out.get("run_id"):
+        out["export"] = "background"  # the models: exported and registered after the command returned
+    return out
 
 
 def cmd_resume(args) -> dict:
@@ -170,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         from flows import apiserver
 
         apiserver.start()
+    if "prefect" in sys.modules:  # a resident's child: Prefect was imported in another environment
+        from flows.env import reread_prefect_settings
+
+        reread_prefect_settings()
     from flows.apiserver import ApiServerError
 
     t0 = time.perf_counter()
@@ -179,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
             # the command's fixed cost: the process's whole life so far minus the rounds it ran
             out["process_wall_s"] = time.time() - _process_start()
             out["outside_rounds_s"] = out["process_wall_s"] - out.get("rounds_wall_s", 0.0)
+            out["resident"] = PROCESS_START is not None  # run by a resident flockfl (flows/resident.py)
+            import resource  # the command's peak memory so far (a resident's child: its own, shared pages included)
+
+            out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
             for w in out.get("checkpoint_warnings", []) if args.json else []:
                 print(f"flockfl: warning: {w}", file=sys.stderr)
             if args.json:
@@ -187,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                 from flows.run_summary import summary_lines
 
                 print("\n".join(summary_lines(out)))
+            if out.get("export") == "background":  # a resident's child: the client goes, the export goes on
+                from flows import resident
+                from flows.run_tracking import settle
+
+                resident.detach(0)
+                settle(out)
         elif args.command == "partition":
             out = cmd_partition(args)
             print(json.dumps(out) if args.json else
@@ -267,15 +291,33 @@ def _error_log(args) -> Path:
     return path.resolve()
 
 
-def _process_start() -> float:
-    """When this process started (the interpreter's start-up included), as a Unix time."""
-    import psutil
+PROCESS_START: float | None = None  # a resident's child: when its client process started
 
-    return psutil.Process().create_time()
+
+def _process_start() -> float:
+    """When this process started (the interpreter's start-up included), as a Unix time; in a
+    resident's child, when the ``flockfl`` client it serves started."""
+    if PROCESS_START is not None:
+        return PROCESS_START
+    from flows.resident import process_start
+
+    return process_start()
 
 
 def entry() -> None:
-    """Console entry point: run, then skip the interpreter's teardown.
+    """Console entry point: the resident runs the command (flows/resident.py), or this process
+    does (:func:`run_and_finish`)."""
+    from flows import resident
+
+    rc = resident.forward(sys.argv[1:])
+    if rc is not None:
+        sys.stderr.flush()
+        os._exit(rc)
+    run_and_finish()
+
+
+def run_and_finish(argv: list[str] | None = None) -> int:
+    """Run the command, then skip the interpreter's teardown.
 
     Once the exit handlers ran (they stop Prefect's ephemeral API server and flush MLflow)
     and the streams are flushed, nothing is left to do; tearing down torch, MLflow and
@@ -285,7 +327,7 @@ def entry() -> None:
     import atexit
 
     try:
-        rc = main()
+        rc = main(argv)
     except BrokenPipeError:
         rc = 0
     # Prefect's workers drain their queues at exit and, on a loaded machine, log "Still processing

@@ -70,6 +70,17 @@ def configure_environment(verbose: bool = False, home: str | Path | None = None)
     warnings.filterwarnings("ignore", category=FutureWarning, module="mlflow")
 
 
+def reread_prefect_settings() -> None:
+    """Prefect read its settings (home, API, logging) from the environment it was imported in;
+    a resident's child (flows/resident.py) has the client's: read them again, and set its
+    logging up again from them."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.logging.configuration import setup_logging
+
+    refresh_global_settings_context()
+    setup_logging(incremental=False)
+
+
 def tie_to_parent(parent: int | None = None):
     """A ``preexec_fn`` for a child process (a Prefect server): the kernel sends it SIGTERM when
     this process dies, even by SIGKILL (Linux's PR_SET_PDEATHSIG), so nothing is left behind;

@@ -198,5 +198,7 @@ def summary_lines(s: dict) -> list[str]:
     if s.get("run_id"):
         line("MLflow", f"run {s['run_id'][:12]}…", f"browse: flockfl ui --tracking-uri {s.get('tracking_uri')} "
                                                     f"--experiment {s.get('mlflow_experiment') or s.get('experiment')}")
+        if s.get("export") == "background":
+            line("models", "exporting in the background; the MLflow run is FINISHED when they are registered (--wait waits)")
     lines.append("  (every metric and convention: flockfl run ... --json, or the MLflow run)")
     return lines

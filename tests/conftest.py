@@ -27,6 +27,13 @@ os.environ["FLOCKFL_CORES_DIR"] = os.path.join(_HOME, "cores")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # the engine probe's verdicts (train.engine=auto), kept per pytest process, not in the user's cache
 os.environ["FLOCKFL_PROBE_CACHE"] = os.path.join(_HOME, "engine-probe.json")
+# the resident flockfl (flows/resident.py) that the tests' flockfl commands go through: one per
+# test session (its xdist workers inherit the controller's folder), not the user's, gone after the session; each
+# command waits for its models (what `flockfl run --wait` does) before it returns
+os.environ.setdefault("FLOCKFL_RESIDENT_DIR", os.path.join(
+    tempfile.gettempdir(), f"flockfl-tests-{os.getpid()}"))
+os.environ.setdefault("FLOCKFL_RESIDENT_IDLE_S", "120")
+os.environ.setdefault("FLOCKFL_WAIT", "1")
 # partitions the in-process tests build, one folder per pytest process
 PARTS = os.path.join(_HOME, "parts")
 
@@ -86,6 +93,8 @@ def flock_env(extra: dict | None = None, per_process: bool = False) -> dict:
     # a flockfl subprocess uses this process's API (an in-process `flockfl run` of an earlier test
     # pointed PREFECT_API_URL at the same per-process server), or starts its own (per_process)
     env.pop("PREFECT_API_URL", None)
+    if per_process:  # a process of its own, as with FLOCKFL_RESIDENT=off
+        env["FLOCKFL_RESIDENT"] = "off"
     if not per_process and os.environ.get("FLOCKFL_TEST_SHARED_API", "1") != "0":
         env["PREFECT_API_URL"] = shared_api()
     # mlflow.set_tracking_uri (an in-process Tracker of an earlier test) exports
@@ -286,3 +295,14 @@ def flockfl_run(cfg_dict: dict, parts: Path, dtype=None):
     cohorts = [np.sort(np_rng(prep.cfg.seed, r, purpose="select").choice(prep.ctx.num_clients, size=prep.cfg.train.clients_per_round,
                                                                        replace=False)) for r in range(prep.cfg.train.rounds)]
     return prep, init, after, [row["accuracy"] for row in state.history], cohorts
+
+
+def pytest_sessionfinish(session):
+    """The session's residents leave once their commands ended (the controller, or a lone
+    pytest process; xdist workers share the controller's)."""
+    if not hasattr(session.config, "workerinput") and os.environ.get("FLOCKFL_RESIDENT_DIR", "").startswith(
+            os.path.join(tempfile.gettempdir(), "flockfl-tests-")):
+        from flows import resident
+
+        resident.stop()
+        shutil.rmtree(os.environ["FLOCKFL_RESIDENT_DIR"], ignore_errors=True)
