@@ -30,7 +30,9 @@ class Resident:
         self.path = folder() / f"{k}.sock"
         self.children: dict[int, socket.socket] = {}  # pid -> the client's connection
         self.channels: dict[socket.socket, int] = {}  # the children's requests (API servers) -> pid
-        self.servers: dict[tuple, tuple] = {}  # (home, database) -> (Popen, url)
+        # (home, database) -> [Popen, url, when its last user ended, the pids using it]
+        self.servers: dict[tuple, list] = {}
+        self.api_idle_s = float(os.environ.get("FLOCKFL_RESIDENT_API_IDLE_S", "300"))
         self.detached: set[int] = set()  # children that reported their exit and finish on their own
 
     def serve(self) -> None:
@@ -68,10 +70,13 @@ class Resident:
                 busy = bool(self.children or self.detached)
                 if stopping and not busy:
                     break
-                timeout = None if busy else max(0.0, self.idle_s - (time.monotonic() - last))
+                timeout = self._expire_servers()
+                if not busy:
+                    left = max(0.0, self.idle_s - (time.monotonic() - last))
+                    timeout = left if timeout is None else min(timeout, left)
                 sources = [wake_r, *self.children.values(), *self.channels] + ([] if stopping else [listener])
                 ready, _, _ = select.select(sources, [], [], timeout)
-                if not ready and not busy:
+                if not ready and not busy and time.monotonic() - last >= self.idle_s:
                     break  # idle
                 if wake_r in ready and self._signalled(wake_r) and not stopping:
                     stopping = True  # SIGTERM: no new command; the running ones finish
@@ -94,13 +99,10 @@ class Resident:
                 self.path.unlink(missing_ok=True)
                 listener.close()
             pidfile.unlink(missing_ok=True)
-            for proc, _ in self.servers.values():
-                proc.terminate()
-            for proc, _ in self.servers.values():
-                try:
-                    proc.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            for entry in self.servers.values():
+                entry[0].terminate()
+            for entry in self.servers.values():
+                _stop_server(entry[0])
 
     def _signalled(self, wake_r: int) -> bool:
         try:
@@ -166,22 +168,43 @@ class Resident:
                 conn.close()
             return
         try:
-            _send(ch, {"url": self._api(request["env"])})
+            _send(ch, {"url": self._api(request["env"], self.channels[ch])})
         except Exception as err:  # noqa: BLE001 - the child reports it as its own one-line error
             _send(ch, {"error": f"{type(err).__name__}: {err}"})
 
-    def _api(self, env: dict) -> str:
-        """The Prefect API for the child's Prefect home: started at the first request, kept."""
+    def _api(self, env: dict, pid: int) -> str:
+        """The Prefect API for the child's Prefect home: started at the first request, kept while
+        commands use it and ``FLOCKFL_RESIDENT_API_IDLE_S`` (300) seconds after the last one ended."""
         from flows import apiserver
 
         home = env.get("PREFECT_HOME", "")
         db = env.get("PREFECT_API_DATABASE_CONNECTION_URL") or env.get("PREFECT_SERVER_DATABASE_CONNECTION_URL") or ""
         entry = self.servers.get((home, db))
-        if entry and entry[0].poll() is None:
-            return entry[1]
-        proc, url = apiserver.spawn_server(Path(home) / "logs", env, f"resident-{os.getpid()}")
-        self.servers[(home, db)] = (proc, url)
-        return url
+        if not entry or entry[0].poll() is not None:
+            proc, url = apiserver.spawn_server(Path(home) / "logs", env, f"resident-{os.getpid()}")
+            entry = self.servers[(home, db)] = [proc, url, time.monotonic(), set()]
+        entry[3].add(pid)
+        return entry[1]
+
+    def _expire_servers(self) -> float | None:
+        """Stop the API servers no command used for ``api_idle_s``; seconds until the next expiry."""
+        now, nearest = time.monotonic(), None
+        for k, (proc, _, since, users) in list(self.servers.items()):
+            if users:
+                continue
+            left = self.api_idle_s - (now - since)
+            if left <= 0 or proc.poll() is not None:
+                _stop_server(proc)
+                del self.servers[k]
+            else:
+                nearest = left if nearest is None else min(nearest, left)
+        return nearest
+
+    def _ended(self, pid: int) -> None:
+        for entry in self.servers.values():
+            if pid in entry[3]:
+                entry[3].discard(pid)
+                entry[2] = time.monotonic()
 
     def _import_learned(self) -> None:
         """Import what commands imported beyond :data:`PRELOAD` (recorded by :func:`learn`): their
@@ -201,10 +224,12 @@ class Resident:
         ended = False
         for pid in list(self.detached):
             try:
-                if os.waitpid(pid, os.WNOHANG)[0]:
-                    self.detached.discard(pid)
+                done = os.waitpid(pid, os.WNOHANG)[0]
             except ChildProcessError:
+                done = pid
+            if done:
                 self.detached.discard(pid)
+                self._ended(pid)
         for pid in list(self.children):
             try:
                 done, status = os.waitpid(pid, os.WNOHANG)
@@ -214,6 +239,7 @@ class Resident:
                 continue
             conn = self.children.pop(pid)
             ended = True
+            self._ended(pid)
             for ch, p in list(self.channels.items()):
                 if p == pid:
                     del self.channels[ch]
@@ -225,6 +251,16 @@ class Resident:
                 pass
             conn.close()
         return ended
+
+
+def _stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _kill(pid: int, sig: int) -> None:

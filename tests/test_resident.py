@@ -227,3 +227,34 @@ def test_a_resident_asked_to_stop_leaves(own_resident, project):
     while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not list(where.glob("*.sock")) and not list(where.glob("*.pid"))
+
+
+@pytest.mark.slow
+def test_the_resident_keeps_one_prefect_api_per_home_and_stops_it_when_unused(tmp_path, project):
+    """Without a configured API a command uses the resident's server for its Prefect home: the
+    next command finds the same one; once no command used it for FLOCKFL_RESIDENT_API_IDLE_S, it goes."""
+    where = tmp_path / "res"
+    env = flock_env({"FLOCKFL_RESIDENT_DIR": str(where), "FLOCKFL_RESIDENT": "auto", "FLOCKFL_RESIDENT_API_IDLE_S": "20",
+                     "PREFECT_HOME": str(tmp_path / "prefect-home")})
+    env.pop("PREFECT_API_URL")
+
+    def run(tag: str) -> dict:
+        res = subprocess.run([sys.executable, "-m", "flows.cli", "run", "res.yaml", "--run-dir", f"runs/api-{tag}", "--json"],
+                             cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        return last_json(res.stdout)
+
+    try:
+        run("first")  # plain; starts the resident
+        _wait_for_socket(where)
+        zygote = _resident_pid(where)
+        assert run("second")["resident"]
+        servers = {s.pid for s in _api_servers(zygote)}
+        assert len(servers) == 1
+        assert run("third")["resident"] and {s.pid for s in _api_servers(zygote)} == servers
+        deadline = time.monotonic() + 90
+        while _api_servers(zygote) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not _api_servers(zygote), "the unused API server was never stopped"
+    finally:
+        resident.stop(where)
