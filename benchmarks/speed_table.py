@@ -31,8 +31,18 @@ flockfl's default is not chosen by load; ``train.threads`` sets it.
 ``FLOCKFL_CONV_LAYOUT=channels_last`` runs the vectorised convolutions channels-last (faster,
 other bits; see ``flockfl.engine.functional._conv_format``).
 
+Through ``flockfl run`` (``--runs fedavg,fedprox,scaffold``, W1 only): the whole round as the
+command runs it with its defaults (evaluation every round, checkpoint, MLflow logging):
+``round_s_median`` of ``flockfl run --json`` (a plain process, ``FLOCKFL_RESIDENT=off``: the
+round is the same either way), beside the researcher's whole round: the loop's training (FedProx:
+the proximal term in the loss; SCAFFOLD: option II control variates, kept per client, the
+corrected gradient), its average, its evaluation of every client and ``torch.save`` of its state.
+No low-rank shortcut is taken by FedProx or SCAFFOLD (their clients' weights differ from the
+first step).
+
 Usage: python benchmarks/speed_table.py [--workloads w1,lenet5,cnn_bn] [--rounds 5] [--threads 0]
                                         [--device cpu|cuda] [--engine auto] [--fmnist DIR]
+                                        [--runs fedavg,fedprox,scaffold | --runs none]
 """
 
 from __future__ import annotations
@@ -141,6 +151,114 @@ class Plain:
         return hits / max(total, 1)
 
 
+class PlainRun(Plain):
+    """The researcher's whole round: train (FedAvg, FedProx or SCAFFOLD), average, evaluate, save."""
+
+    def __init__(self, net, data, cfg, device, algo: str, mu: float):
+        super().__init__(net, data, cfg, device)
+        self.algo, self.mu = algo, mu
+        self.c = [p.detach().clone().zero_() for p in net.parameters()]  # SCAFFOLD: the server's c
+        self.c_i: dict[int, list] = {}  # ... and each client's, zero until it first trains
+
+    def train(self, clients, round: int) -> list[dict]:
+        import torch
+        from torch import nn
+
+        g = torch.Generator().manual_seed(round)
+        anchor = [p.detach().clone() for p in self.net.parameters()]
+        states, new_ci = [], {}
+        for c in clients:
+            c = int(c)
+            x, y = self.data.train.client(c)
+            net = copy.deepcopy(self.net)
+            net.train()
+            opt = torch.optim.SGD(net.parameters(), lr=self.t.lr)
+            ci = self.c_i.get(c) or [torch.zeros_like(p) for p in anchor]
+            steps = 0
+            for _ in range(self.t.local_epochs):
+                perm = torch.randperm(len(y), generator=g).to(self.device)
+                for a in range(0, len(y), self.t.batch_size):
+                    idx = perm[a:a + self.t.batch_size]
+                    opt.zero_grad()
+                    loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
+                    if self.algo == "fedprox":
+                        loss = loss + self.mu / 2 * sum(((p - w) ** 2).sum() for p, w in zip(net.parameters(), anchor))
+                    loss.backward()
+                    if self.algo == "scaffold":
+                        with torch.no_grad():
+                            for p, cc, cic in zip(net.parameters(), self.c, ci):
+                                p.grad += cc - cic
+                    opt.step()
+                    steps += 1
+            if self.algo == "scaffold":  # option II
+                with torch.no_grad():
+                    new_ci[c] = [cic - cc + (w - p) / (steps * self.t.lr)
+                                 for p, w, cc, cic in zip(net.parameters(), anchor, self.c, ci)]
+            states.append(net.state_dict())
+        if self.algo == "scaffold":
+            with torch.no_grad():
+                for j in range(len(self.c)):
+                    dc = torch.stack([new_ci[c][j] - (self.c_i.get(c) or [torch.zeros_like(a) for a in anchor])[j]
+                                      for c in new_ci]).mean(0)
+                    self.c[j] += len(clients) / self.data.num_clients * dc
+            self.c_i.update(new_ci)
+        return states
+
+    def round(self, clients, sizes, round: int, path: Path) -> None:
+        import torch
+
+        states = self.train(clients, round)
+        # SCAFFOLD averages unweighted (the paper); FedAvg and FedProx by samples
+        self.average(states, np.ones(len(states)) if self.algo == "scaffold" else sizes)
+        self.evaluate()
+        torch.save({"model": self.net.state_dict(), "c": self.c, "c_i": self.c_i}, path)
+
+
+def run_rounds(algo: str, raw: dict, rounds: int, threads: int) -> dict:
+    """One algorithm on W1: the researcher's whole round, timed here, and ``flockfl run``'s own
+    ``round_s_median`` (a subprocess, the defaults but for the algorithm and the threads)."""
+    import json
+    import subprocess
+
+    import torch
+    import yaml
+
+    from flockfl.experiments import validate
+    from flockfl.rounds import prepare
+
+    raw = copy.deepcopy(raw)
+    raw["algorithm"] = {"name": algo}
+    raw["train"].update({"rounds": rounds, "threads": threads})
+    raw["tracking"] = {"register_model": False}
+    work = Path(tempfile.mkdtemp())
+    (work / "w1.yaml").write_text(yaml.safe_dump(raw))
+    env = {**os.environ, "FLOCKFL_RESIDENT": "off", "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(work / ".prefect")}
+    env.pop("PREFECT_API_URL", None)
+    res = subprocess.run([sys.executable, "-m", "flows.cli", "run", "w1.yaml", "--json", "--no-progress", "--tracking-uri",
+                          f"sqlite:///{work}/mlflow.db", "--partitions", "parts", "--run-dir", "runs/w1"],
+                         cwd=work, env=env, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"flockfl run ({algo}) failed:\n{res.stderr[-3000:]}")
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    cfg = validate({**raw, "tracking": {"enabled": False}})
+    prep = prepare(cfg, work / "plain-parts")
+    ctx = prep.ctx
+    state = prep.algorithm.init_state(ctx)
+    net = plain_model(cfg.model.name, ctx.data.input_shape, ctx.data.num_outputs)
+    load_init(net, {k: v[0] for k, v in state.models.items()})
+    mu = float(prep.algorithm.hp("mu")) if algo == "fedprox" else 0.0
+    plain = PlainRun(net, ctx.data, cfg, ctx.data.train.x.device, algo, mu)
+    rng = np.random.default_rng(0)
+    times = []
+    for r in range(rounds):
+        clients = np.sort(rng.choice(ctx.num_clients, cfg.train.clients_per_round, replace=False))
+        t0 = time.perf_counter()
+        plain.round(clients, ctx.data.train.sizes[clients].astype(np.float64), r, work / "plain-ckpt.pt")
+        times.append(time.perf_counter() - t0)
+    return {"algo": algo, "plain_round": float(np.median(times[1:])), "flockfl_round": summary["round_s_median"],
+            "engine": summary.get("engine"), "threads": torch.get_num_threads()}
+
+
 def sync(device) -> None:
     import torch
 
@@ -215,6 +333,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--engine", default="auto", choices=["auto", "vectorized", "reference"])
     ap.add_argument("--fmnist", default=FMNIST, help="directory of the Fashion-MNIST idx files")
+    ap.add_argument("--runs", default="fedavg,fedprox,scaffold",
+                    help="algorithms timed on W1 through `flockfl run`, whole rounds ('none': no such rows)")
+    ap.add_argument("--run-rounds", type=int, default=10, help="rounds of each `flockfl run` and of its loop (median)")
     args = ap.parse_args()
 
     import torch
@@ -248,6 +369,25 @@ def main() -> None:
         print(f"| {r['workload']} | {r['engine']} | {r['plain_train']:.3f} | {r['flockfl_train']:.3f} | "
               f"{r['plain_train'] / r['flockfl_train']:.2f}x | {r['plain_eval']:.3f} | {r['flockfl_eval']:.3f} | "
               f"{r['plain_eval'] / r['flockfl_eval']:.2f}x |")
+    if args.runs == "none":
+        return
+    npz = tmp / "w1-run.npz"
+    round_speed.make_npz(npz)
+    raw = round_speed.w1_config(npz, args.rounds, args.threads)
+    runs = []
+    for algo in args.runs.split(","):
+        runs.append(run_rounds(algo, raw, args.run_rounds, args.threads))
+        print(f"# W1 {algo} through flockfl run: done", flush=True)
+    print()
+    print("W1 through `flockfl run` (its defaults: evaluation every round, checkpoint, MLflow), the whole round; the loop's "
+          "whole round: train, average, evaluate every client, torch.save")
+    print()
+    print(f"median of {args.run_rounds} rounds (the loop: the first left out)\n")
+    print("| W1 | engine | round: plain loop s | round: flockfl run s (round_s_median) | ratio |")
+    print("|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['algo']} | {r['engine']} | {r['plain_round']:.3f} | {r['flockfl_round']:.3f} | "
+              f"{r['plain_round'] / r['flockfl_round']:.2f}x |")
 
 
 if __name__ == "__main__":

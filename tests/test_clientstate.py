@@ -60,7 +60,10 @@ def test_flush_writes_only_the_dirty_rows_and_keeps_the_value(tmp_path):
     assert len(list(tmp_path.rglob("*.row"))) == 5
 
 
-def test_a_corrupt_or_missing_row_is_refused(tmp_path):
+def test_a_corrupt_or_missing_row_is_refused(tmp_path, monkeypatch):
+    # rewritten in place within the file system's timestamp tick, a row could be served from the
+    # row cache (the verified bytes): this reads the files themselves
+    monkeypatch.setenv("FLOCKFL_ROW_CACHE_MB", "0")
     t = table().scatter([4, 6], rows_of([4, 6], 3.0))
     t.flush(tmp_path)
     path = row_path(tmp_path, 4, t.digest(4))
@@ -71,6 +74,42 @@ def test_a_corrupt_or_missing_row_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="missing"):
         t.gather([6])
     assert t.gather([5])["w"].abs().sum() == 0  # an unwritten row needs no file
+
+
+def test_rows_just_written_are_read_from_the_cache_until_their_file_changes(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    from flockfl import clientstate
+
+    monkeypatch.setattr(clientstate, "ROW_CACHE", clientstate.RowCache())
+    t = table().scatter([4, 6, 8], rows_of([4, 6, 8], 3.0))
+    t.flush(tmp_path)
+    reads = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: reads.append(self) or real(self))
+    assert t.gather([4, 6])["w"][:, 0, 0].tolist() == [3.0, 3.0] and reads == []  # from memory, not disk
+    # a file replaced by another (a new inode) is read again, and refused if corrupt
+    path = row_path(tmp_path, 4, t.digest(4))
+    bad = path.with_name("bad")
+    bad.write_bytes(path.read_bytes()[:-1] + b"\x01")
+    os.replace(bad, path)
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        t.gather([4])
+    row_path(tmp_path, 6, t.digest(6)).unlink()  # a removed file is missing, cached or not
+    with pytest.raises(CheckpointError, match="missing"):
+        t.gather([6])
+    # a table read back from its checkpoint's directory fills the cache on its first read
+    monkeypatch.setattr(clientstate, "ROW_CACHE", clientstate.RowCache())
+    reads.clear()
+    assert t.gather([8])["w"][0, 0, 0] == 3.0 and len(reads) == 1
+    assert t.gather([8])["w"][0, 0, 0] == 3.0 and len(reads) == 1
+    # FLOCKFL_ROW_CACHE_MB=0: every read goes to the file
+    monkeypatch.setenv("FLOCKFL_ROW_CACHE_MB", "0")
+    monkeypatch.setattr(clientstate, "ROW_CACHE", clientstate.RowCache())
+    t.gather([8])
+    t.gather([8])
+    assert len(reads) == 3
 
 
 def test_encode_decode_keeps_unflushed_rows_inline():

@@ -239,8 +239,11 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
                     for k in params:
                         if k in frozen:
                             continue
-                        gk = g[k] * masks[k] if k in masks else g[k]
-                        params[k] = params[k] - rates[s] * gk
+                        # in place, in the same order of operations (the same bits): g is this step's own
+                        gk = _owned(g[k])
+                        if k in masks:
+                            gk.mul_(masks[k])
+                        params[k].sub_(gk.mul_(rates[s]))
                     if snap is not None:
                         rows = torch.from_numpy(np.flatnonzero(snap_at == s + 1)).to(device)
                         if len(rows):
@@ -296,22 +299,33 @@ class _GradientTerms:
         self.after = self.buf is not None and spec.correction_after_momentum  # where the correction enters
 
     def apply(self, params, g, active):
+        """The step's gradients with the terms added, in place where the gradient is the step's own
+        (each ``a + b`` becomes ``a.add_(b)``: the same operations in the same order, the same
+        bits, without a cohort-sized temporary per term); ``× mask`` only where a client stopped."""
         out = {}
+        everyone = bool(active.all())
         for k, gk in g.items():
-            mask = client_mask(active, gk)
+            gk = _owned(gk)
             if self.spec.weight_decay:
-                gk = gk + self.spec.weight_decay * params[k]
+                gk.add_(self.spec.weight_decay * params[k])
             if self.anchor is not None and self.spec.mu_of(k):
-                gk = gk + self.spec.mu_of(k) * (params[k] - self.anchor[k])
+                gk.add_(torch.sub(params[k], self.anchor[k]).mul_(self.spec.mu_of(k)))
             if self.corr is not None and not self.after:
-                gk = gk + self.corr[k]
+                gk.add_(self.corr[k])
             if self.buf is not None:
+                mask = client_mask(active, gk)
                 self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
-                gk = self.buf[k]
+                gk = self.buf[k].clone()  # the caller scales it in place: not the buffer itself
             if self.corr is not None and self.after:
-                gk = gk + self.corr[k]
-            out[k] = gk * mask
+                gk.add_(self.corr[k])
+            out[k] = gk if everyone else gk.mul_(client_mask(active, gk))
         return out
+
+
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself if it can be updated in place (a gradient computed for this step), else a copy
+    (an expanded or otherwise non-contiguous view)."""
+    return t if t.is_contiguous() and t.stride()[-1:] != (0,) else t.contiguous().clone()
 
 
 TRAINERS = {"reference": train_reference, "vectorized": train_cohort}
