@@ -20,7 +20,7 @@ refused with :class:`flockfl.state.CheckpointError`. When a checkpoint is pruned
 referred to that no kept checkpoint refers to are deleted (:func:`collect_garbage`): work in
 the rows that changed, with no scan of the row directory.
 
-Rows written or read stay in a bounded in-memory cache (:data:`ROW_CACHE`, least recently used
+Rows written or read stay in a bounded in-memory cache (:data:`flockfl.rowfiles.ROW_CACHE`, least recently used
 first out; ``FLOCKFL_ROW_CACHE_MB``, default 1024, 0 turns it off), keyed by (directory, client,
 digest) and checked against its file's inode, size and mtime (a file removed or replaced is read
 again, and refused if it is missing or corrupt; a file rewritten in place at its size within the
@@ -37,58 +37,15 @@ SHA-256 of those bytes.
 from __future__ import annotations
 
 import hashlib
-import os
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
+from flockfl import rowfiles
 from flockfl.errors import CheckpointError
-
-ROW_SUFFIX = ".row"
-
-
-class RowCache:
-    """Rows by (directory, client, digest) with their file's signature, least recently used
-    evicted past the byte limit."""
-
-    def __init__(self):
-        self.rows: OrderedDict = OrderedDict()
-        self.nbytes = 0
-
-    @staticmethod
-    def limit() -> int:
-        return int(float(os.environ.get("FLOCKFL_ROW_CACHE_MB", "1024")) * 2**20)
-
-    def get(self, key: tuple, sig: tuple) -> Optional[np.ndarray]:
-        hit = self.rows.get(key)
-        if hit is None or hit[1] != sig:
-            return None
-        self.rows.move_to_end(key)
-        return hit[0]
-
-    def put(self, key: tuple, row: np.ndarray, sig: tuple) -> None:
-        limit = self.limit()
-        if row.nbytes > limit:
-            return
-        old = self.rows.pop(key, None)
-        if old is not None:
-            self.nbytes -= old[0].nbytes
-        self.rows[key] = (row, sig)
-        self.nbytes += row.nbytes
-        while self.nbytes > limit:
-            self.nbytes -= self.rows.popitem(last=False)[1][0].nbytes
-
-
-def _signature(path: Path) -> tuple:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_mtime_ns
-
-
-ROW_CACHE = RowCache()
-
+from flockfl.rowfiles import _signature, _write_all, row_path
 
 class ClientTable:
     """One row per client: a dict of named tensors, the same shapes and dtypes for every client."""
@@ -151,7 +108,7 @@ class ClientTable:
         path = row_path(self.root, c, digest)
         try:
             sig = _signature(path)
-            cached = ROW_CACHE.get((str(self.root), c, digest), sig)
+            cached = rowfiles.ROW_CACHE.get((str(self.root), c, digest), sig)
             if cached is not None:
                 return cached
             data = path.read_bytes()
@@ -160,7 +117,7 @@ class ClientTable:
         if hashlib.sha256(data).digest() != digest or len(data) != self.row_nbytes:
             raise CheckpointError(f"client state row {path}: checksum mismatch (truncated or corrupt)")
         row = np.frombuffer(data, np.uint8)
-        ROW_CACHE.put((str(self.root), c, digest), row, sig)
+        rowfiles.ROW_CACHE.put((str(self.root), c, digest), row, sig)
         return row
 
     def _tensors(self, parts: dict[str, np.ndarray], n: int, device) -> dict[str, torch.Tensor]:
@@ -220,7 +177,7 @@ class ClientTable:
         _write_all(todo)
         for c, row in self.dirty.items():  # what was just written is what the next round reads
             path = row_path(root, c, self.digest(c))
-            ROW_CACHE.put((str(root), c, self.digest(c)), row, _signature(path))
+            rowfiles.ROW_CACHE.put((str(root), c, self.digest(c)), row, _signature(path))
         self.root = root
         self.dirty = {}
         return sum(len(r) for r in todo.values())
@@ -276,52 +233,12 @@ class ClientTable:
                 f"{int(self.written().sum())} written, {len(self.dirty)} unflushed)")
 
 
-def row_path(root: Path, client: int, digest: bytes) -> Path:
-    return Path(root) / f"{client // 1000:05d}" / f"{client}-{digest.hex()}{ROW_SUFFIX}"
-
-
 def _row_bytes(row: dict[str, torch.Tensor], names: list[str]) -> bytes:
     return b"".join(row[k].contiguous().numpy().tobytes() for k in names)
 
 
 def _np_dtype(dtype: torch.dtype) -> np.dtype:
     return torch.empty(0, dtype=dtype).numpy().dtype
-
-
-FSYNC_THREADS = 16
-
-
-def _write_all(rows: dict[Path, np.ndarray]) -> None:
-    """Write each row to its path atomically: every temp file first, then their fsyncs, several
-    at a time (the file system commits them together: 1,000 rows of 57 KB took 3.5 s one by one
-    and 0.46 s 16 at a time here), then the renames. A crash leaves each row whole or absent,
-    and the checkpoint that names them is written only after this returns."""
-    if not rows:
-        return
-    tmps = []
-    for path, row in rows.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(row.tobytes())
-        tmps.append(tmp)
-
-    def sync(tmp: Path) -> None:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    if len(tmps) == 1:
-        sync(tmps[0])
-    else:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(min(FSYNC_THREADS, len(tmps)), thread_name_prefix="flockfl-fsync") as pool:
-            list(pool.map(sync, tmps))
-    for tmp, path in zip(tmps, rows):
-        os.replace(tmp, path)
 
 
 def _copy_rows(table: ClientTable, root: Path, batch: int = 1024) -> None:

@@ -80,7 +80,7 @@ def test_rows_just_written_are_read_from_the_cache_until_their_file_changes(tmp_
     import os
     from pathlib import Path
 
-    from flockfl import clientstate
+    from flockfl import rowfiles as clientstate
 
     monkeypatch.setattr(clientstate, "ROW_CACHE", clientstate.RowCache())
     t = table().scatter([4, 6, 8], rows_of([4, 6, 8], 3.0))
