@@ -26,7 +26,7 @@ lines compare each 10× step.
 
 Usage: python benchmarks/scale.py [--rounds 3] [--populations 1000 10000 100000]
        [--cohorts 100 1000 10000] [--algorithms scaffold fedavg] [--eval-every 1] [--fmnist]
-       [--threads 2] [--conventions all|configured] [--json FILE]
+       [--threads 2] [--conventions cheap|all|configured] [--json FILE]
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def config(algorithm: str, population: int, cohort: int, rounds: int, threads: i
     return {"name": f"scale-{algorithm}-{population}-{cohort}", "seed": 0, **data, "algorithm": {"name": algorithm},
             "train": {"rounds": rounds, "clients_per_round": cohort, "local_epochs": 1, "batch_size": 10, "lr": 0.05,
                       "threads": threads, "engine": "vectorized", "eval_finetune": "off", "eval_every": eval_every},
-            # --conventions (FLOCKFL_SCALE_CONVENTIONS for a --child): configured skips label_union
-            "eval": {"conventions": os.environ.get("FLOCKFL_SCALE_CONVENTIONS", "all")},
+            # --conventions (FLOCKFL_SCALE_CONVENTIONS for a --child; default flockfl's own, cheap)
+            "eval": {"conventions": os.environ.get("FLOCKFL_SCALE_CONVENTIONS", "cheap")},
             "tracking": {"enabled": False}}
 
 
@@ -198,8 +198,8 @@ def main() -> None:
     ap.add_argument("--fmnist", action="store_true", help="add SCAFFOLD on Fashion-MNIST, 10k clients, 1k per round")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=1, help="evaluate every federating client every N rounds (and last)")
-    ap.add_argument("--conventions", default="all", choices=["all", "configured"],
-                    help="eval.conventions: configured measures only the proportional test set")
+    ap.add_argument("--conventions", default="cheap", choices=["cheap", "all", "configured"],
+                    help="eval.conventions (flockfl's default: cheap); configured measures only the proportional test set")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = ap.parse_args()

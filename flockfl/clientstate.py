@@ -21,12 +21,11 @@ referred to that no kept checkpoint refers to are deleted (:func:`collect_garbag
 the rows that changed, with no scan of the row directory.
 
 Rows written or read stay in a bounded in-memory cache (:data:`flockfl.rowfiles.ROW_CACHE`, least recently used
-first out; ``FLOCKFL_ROW_CACHE_MB``, default 1024, 0 turns it off), keyed by (directory, client,
+first out; ``FLOCKFL_ROW_CACHE_MB``, default 256, 0 turns it off), keyed by (directory, client,
 digest) and checked against its file's inode, size and mtime (a file removed or replaced is read
 again, and refused if it is missing or corrupt; a file rewritten in place at its size within the
 file system's timestamp tick can be served from memory: the bytes verified when cached, which
-are the value the state's digest names). A cached row is not read or hashed again (W1's
-SCAFFOLD: the cohort's 120 rows of 636 KB were read from disk and hashed twice a round).
+are the value the state's digest names). A cached row is not read or hashed again.
 
 Memory: N × 33 bytes of digests plus the rows the round touches (and the cache); a checkpoint holds the digests
 of the written clients only while they are the fewer (see :meth:`ClientTable.payload`). Rows are

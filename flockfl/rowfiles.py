@@ -23,7 +23,7 @@ class RowCache:
 
     @staticmethod
     def limit() -> int:
-        return int(float(os.environ.get("FLOCKFL_ROW_CACHE_MB", "1024")) * 2**20)
+        return int(float(os.environ.get("FLOCKFL_ROW_CACHE_MB", "256")) * 2**20)
 
     def get(self, key: tuple, sig: tuple) -> Optional[np.ndarray]:
         hit = self.rows.get(key)

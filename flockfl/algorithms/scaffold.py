@@ -54,8 +54,21 @@ class Scaffold(Algorithm):
         spec = super().local_spec(state, ctx, clients, round)
         c_i = state.algo["c_clients"].gather(clients, ctx.data.train.x.device)
         spec.correction = {k: state.algo["c"][k].unsqueeze(0) - c_i[k] for k in state.models}
+        # the cohort's c_i, read once: aggregate needs them again (in this process; never shipped)
+        self._gathered = (state.algo["c_clients"], np.asarray(clients).copy(), c_i)
         spec.correction_after_momentum = self.hp("momentum_correction") == "after"
         return spec
+
+    def __getstate__(self):  # the stash of _cohort_ci stays in this process (Dask ships the algorithm)
+        return {k: v for k, v in self.__dict__.items() if k != "_gathered"}
+
+    def _cohort_ci(self, state, clients, spec, device) -> dict[str, torch.Tensor]:
+        """The cohort's c_i as local_spec read them from this same table (a table is a value: the
+        same object, the same rows), or read again (a resumed round, another process)."""
+        kept, self._gathered = getattr(self, "_gathered", None), None
+        if kept is not None and kept[0] is state.algo["c_clients"] and np.array_equal(kept[1], clients):
+            return {k: v.to(device) for k, v in kept[2].items()}
+        return state.algo["c_clients"].gather(clients, device)
 
     def full_gradient(self, state, ctx, clients: np.ndarray) -> dict[str, torch.Tensor]:
         """∇F_i(x) for every listed client: one full-batch step of size 1 from x."""
@@ -67,7 +80,8 @@ class Scaffold(Algorithm):
     def aggregate(self, state, ctx, spec, result, assign):
         clients = result.clients
         c = state.algo["c"]
-        old = state.algo["c_clients"].gather(clients, next(iter(c.values())).device)
+        spec.correction = None  # trained: c − c_i is not needed again (a cohort-sized tensor less below)
+        old = self._cohort_ci(state, clients, spec, next(iter(c.values())).device)
         steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32)).to(next(iter(c.values())).device)
         grad_x = self.full_gradient(state, ctx, clients) if self.option == "I" else None
         step = self.pseudo_gradient(state, result)  # −Δx = mean(x − y_i)
@@ -75,13 +89,18 @@ class Scaffold(Algorithm):
         for k, v in state.models.items():
             x = v[0]
             y = result.params[k]
-            old_ci = old[k]
+            old_ci = old.pop(k)  # each c_i read is let go once used
+            # cohort-sized temporaries reused in place, the operations and their order unchanged (the
+            # same bits): 1,000 clients of a 159,010-weight MLP are 636 MB a tensor
             if grad_x is not None:
                 ci = grad_x[k]
             else:
                 scale = (1.0 / (steps * self.cfg.train.lr)).reshape(-1, *([1] * x.dim()))
-                ci = old_ci - c[k].unsqueeze(0) + scale * (x.unsqueeze(0) - y)
-            dc = (ci - old_ci).mean(0)
+                move = torch.sub(x.unsqueeze(0), y).mul_(scale)  # scale * (x − y_i)
+                ci = torch.sub(old_ci, c[k].unsqueeze(0)).add_(move)  # (c_i − c) + scale (x − y_i)
+                del move
+            dc = torch.sub(ci, old_ci).mean(0)
+            del old_ci
             models[k] = (x - float(self.hp("server_lr")) * step[k]).unsqueeze(0)
             new_c[k] = c[k] + (len(clients) / ctx.num_clients) * dc
             new_ci[k] = ci
