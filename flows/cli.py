@@ -344,6 +344,10 @@ def run_and_finish(argv: list[str] | None = None) -> int:
         sys.stderr.flush()
     except BrokenPipeError:
         pass
+    from flows import resident
+
+    if resident.pending_spawn:  # a plain command that found no resident: start one for the next
+        resident.spawn(resident.pending_spawn)
     os._exit(rc)
 
 

@@ -18,8 +18,9 @@ tree that did both once, as the Rails "spring" and Emacs' server do:
   at the first child that needs it, stopped when the resident ends (and by the kernel if the
   resident is killed: ``PR_SET_PDEATHSIG``). A configured ``PREFECT_API_URL`` is used as is.
 
-The first command finds no resident: it runs as a plain process and starts one in the
-background (it binds its socket once its imports are done). A resident serves one code tree:
+The first command finds no resident: it runs as a plain process and, once it has done its
+work, starts one in the background (so that the two do not share the cores while the command
+runs); the resident binds its socket once its imports are done. A resident serves one code tree:
 its key is the interpreter, the mtimes of flockfl's sources and of the installed packages,
 and the environment variables read when torch and its libraries load (threads, ISA, MKL's
 reproducible mode); another key gets another resident. It leaves after
@@ -175,7 +176,8 @@ def forward(argv: list[str]) -> Optional[int]:
         sock.connect(str(path))
     except OSError:
         sock.close()
-        spawn(k)
+        global pending_spawn
+        pending_spawn = k  # started when this command has done its work (flows/cli.py): not beside it
         return None
     stdio = []
     for fd in (0, 1, 2):
@@ -217,6 +219,9 @@ def forward(argv: list[str]) -> Optional[int]:
         os.kill(os.getpid(), -code)
         return 128 - code
     return code
+
+
+pending_spawn: Optional[str] = None  # the key of a resident to start once this plain command ends
 
 
 def spawn(k: str) -> None:
