@@ -31,8 +31,17 @@ def run_key(run_dir) -> str:
 
 def run_identity(config: Optional[dict]) -> Optional[dict]:
     """What makes two configs the same run: everything but ``executor`` (where the shards train
-    never changes results, so a run started locally may continue on a Dask cluster)."""
-    return None if config is None else {k: v for k, v in config.items() if k != "executor"}
+    never changes results, so a run started locally may continue on a Dask cluster), with the
+    defaults filled in (a run.json written before a key existed has that key's default)."""
+    if config is None:
+        return None
+    try:
+        from flockfl.experiments import validate
+
+        config = validate(config).model_dump()
+    except Exception:  # noqa: BLE001 - a config this code no longer accepts: compared as written
+        pass
+    return {k: v for k, v in config.items() if k != "executor"}
 
 
 def find_run_dir(run: str, uri: Optional[str]) -> Path:

@@ -151,3 +151,19 @@ def test_newcomers_join_after_training(tmp_path, algo):
     assert 0.0 <= row["unseen_accuracy"] <= 1.0 and "unseen_accuracy_untuned" in row
     info = state.driver.newcomers
     assert info["clients"] == unseen.tolist() and len(info["clusters"]) == 3 and info["rule"]
+
+
+def test_the_fine_tuned_evaluation_in_smaller_chunks_gives_the_same_numbers(tmp_path):
+    """train.finetune_chunk_mb bounds the fine-tuned models held at once (fewer clients a chunk for
+    large models); how the clients are chunked changes no number."""
+    from flockfl.rounds import finetune_chunk
+
+    cfg = cfg_of({"name": "ifca", "k": 2, "init": "random"})
+    state = run_rounds(prepare(cfg, tmp_path / "a"))
+    row_bytes = sum(v[0].numel() * v.element_size() for v in state.models.values())
+    tiny = validate({**cfg.model_dump(), "train": {**cfg.train.model_dump(), "finetune_chunk_mb": 2.5 * row_bytes / 2**20}})
+    assert finetune_chunk(state, cfg) == cfg.train.eval_chunk and finetune_chunk(state, tiny) == 2
+    small = run_rounds(prepare(tiny, tmp_path / "b"))
+    keys = [k for k in state.history[-1] if "finetuned" in k]
+    assert keys and all(state.history[-1][k] == small.history[-1][k] for k in keys)
+    assert small.digest() == state.digest()

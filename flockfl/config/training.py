@@ -97,6 +97,9 @@ class TrainConfig(_Section):
     fast_math: bool = False
     # clients per chunk when evaluating or fine-tuning every client (bounds memory at scale)
     eval_chunk: int = Field(256, ge=1)
+    # the end-of-run fine-tuned evaluation holds at most this many MB of fine-tuned models at once
+    # (fewer clients a chunk than eval_chunk for large models; the numbers do not change)
+    finetune_chunk_mb: float = Field(32.0, gt=0)
     threads: int = Field(0, ge=0)  # torch intra-op threads; 0 = number of cores (max 4)
     eval_every: int = Field(1, ge=1, description="evaluate every this many rounds, and always after the last")
     max_retries: int = Field(1, ge=0)  # per training shard, before its clients are dropped
