@@ -79,15 +79,20 @@ class EvalReuse:
     # ------------------------------------------------------------------ the checkpointed form
     @classmethod
     def restore(cls, payload: Optional[dict]) -> "EvalReuse":
-        """From ``state.driver.eval_reuse`` (copied: the state it came from is not changed)."""
+        """From ``state.driver.eval_reuse`` (:meth:`payload`; new arrays: the state is not changed)."""
         if not payload:
             return cls()
-        copy = lambda v: {k: copy(x) for k, x in v.items()} if isinstance(v, dict) else np.array(v, copy=True)  # noqa: E731
-        return cls({name: {"context": s["context"], **{k: copy(s[k]) for k in ("fp", "has", "values")}}
+        array = lambda dtype, raw: np.frombuffer(raw, np.dtype(dtype)).copy()  # noqa: E731
+        return cls({name: {"context": s["context"], "fp": array("uint8", s["fp"]).reshape(-1, FP_BYTES),
+                           "has": array("bool", s["has"]),
+                           "values": {ts: tuple(array(d, raw) for d, raw in triple) for ts, triple in s["values"].items()}}
                     for name, s in payload.items()})
 
     def payload(self) -> dict:
-        return self.sets
+        """Plain values (strings and bytes: a driver record compares with ``==``)."""
+        return {name: {"context": s["context"], "fp": s["fp"].tobytes(), "has": s["has"].tobytes(),
+                       "values": {ts: [(a.dtype.str, a.tobytes()) for a in triple] for ts, triple in s["values"].items()}}
+                for name, s in self.sets.items()}
 
     # ------------------------------------------------------------------ lookup and store
     def _set(self, name: str, context: str, n: int) -> dict[str, Any]:
