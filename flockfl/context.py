@@ -6,7 +6,7 @@ distribution shift changes from round to round (``base_data`` is the data as par
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 from torch import nn
@@ -40,6 +40,9 @@ class RunContext:
     # the trainer this run uses (``train.engine``, or what ``auto`` chose on the first cohort),
     # set by the driver (``flockfl.rounds.pick_engine``, from the state on resume); read it as ``trainer``
     engine: Optional[str] = field(init=False, default=None)
+    # the stored per-client metrics the running evaluation reuses (``eval.reuse``,
+    # :mod:`flockfl.eval_reuse`): set by the driver's evaluation only, None elsewhere
+    eval_reuse: Optional[Any] = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.base_data = self.data

@@ -24,6 +24,7 @@ from flockfl.engine.evaluate import OwnOutputs, TestPool, class_sums, identity_p
 from flockfl.engine.functional import losses_under_models, segment_mean
 from flockfl.errors import ConfigError
 from flockfl.eval_protocol import ClientMetrics, Triple, family, label_union_applies, protocol
+from flockfl.eval_reuse import measure_shared_reused
 
 if TYPE_CHECKING:
     from flockfl.context import RunContext
@@ -271,7 +272,7 @@ def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: Ru
     clients = np.arange(ctx.num_clients) if clients is None else np.asarray(clients, np.int64)
     mine = assign[clients]
     k = next(iter(models.values())).shape[0]
-    out = client_results(ctx, measure_shared(ctx, models, mine, clients), assign,
+    out = client_results(ctx, measure_shared_reused(ctx, "assigned", models, mine, clients), assign,
                          lambda t: cluster_breakdown(ctx, clients, mine, *t, k))
     if "theta" in ctx.truth:
         out["min_dist"] = min_dist(models, ctx.truth["theta"])

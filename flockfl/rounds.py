@@ -23,6 +23,7 @@ from flockfl.context import RunContext
 from flockfl.engine import LocalSpec, TrainResult
 from flockfl.engine.probe import cached_choice
 from flockfl.eval_protocol import ClientMetrics, Protocol, family, protocol
+from flockfl.eval_reuse import EvalReuse
 from flockfl.eval_summary import note_trained, report_modes
 from flockfl.evaluation import measure_own, measure_shared
 from flockfl import optimizer_state
@@ -32,7 +33,7 @@ from flockfl.state import ServerState, on_device
 from flockfl.training import isolate_failures, restrict_spec, retrying, shard_loop, split_spec, train_shard
 
 __all__ = ["aggregate_stage", "assemble", "check_population", "check_task", "cluster_stage", "cycle_share", "drive",
-           "drive_round", "evaluate_stage", "finish_round", "needs_pre_federation", "newcomer_metrics", "pick_engine",
+           "drive_round", "evaluate_all", "evaluate_stage", "finish_round", "needs_pre_federation", "newcomer_metrics", "pick_engine",
            "PLAIN", "pre_federation_stage", "prepare", "prepare_data", "PreparedRun", "RoundWork", "run_round",
            "run_rounds", "select_stage", "should_evaluate", "Stages", "train_companions", "train_stage"]
 
@@ -156,6 +157,19 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
     alg, ctx, cfg = prep.algorithm, prep.ctx, prep.cfg
     for st in prep.stages.values():
         st.sync(ctx, state)
+    ctx.eval_reuse = EvalReuse.restore(state.driver.eval_reuse) if cfg.eval.reuse else None
+    try:
+        metrics = evaluate_all(prep, state, round)
+    finally:
+        store, ctx.eval_reuse = ctx.eval_reuse, None
+    metrics["_eval_reuse"] = store  # finish_round keeps it in the driver's record (checkpointed)
+    maybe_crash("evaluate", round)
+    return metrics
+
+
+def evaluate_all(prep: PreparedRun, state: ServerState, round: int) -> dict[str, Any]:
+    """The algorithm's, the stages', the fine-tuned and the newcomers' metrics (``evaluate_stage``)."""
+    alg, ctx, cfg = prep.algorithm, prep.ctx, prep.cfg
     metrics = alg.evaluate(state, ctx)
     last = round + 1 == cfg.train.rounds
     tune = cfg.train.eval_finetune == "every" or (cfg.train.eval_finetune == "final" and last)
@@ -169,7 +183,6 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
         metrics.update(family(ClientMetrics.join(parts), protocol(ctx), ctx.data.task, "_finetuned"))
     if last and len(ctx.unseen):
         metrics.update(newcomer_metrics(prep, state, round))
-    maybe_crash("evaluate", round)
     return metrics
 
 
@@ -279,6 +292,9 @@ def finish_round(prep: PreparedRun, state: ServerState, work: RoundWork, metrics
         row.update(st.row(work.thesis, last))
     if metrics and "_newcomers" in metrics:
         run.newcomers = metrics["_newcomers"]
+    if metrics is not None:  # the evaluation's stored metrics (eval.reuse; None when off)
+        store = metrics.get("_eval_reuse")
+        run.eval_reuse = store.payload() if store is not None else None
     proto = Protocol.of(prep.cfg)
     run.eval_protocol = proto.asdict()
     run = note_trained(run, np.setdiff1d(np.asarray(work.clients, np.int64), np.asarray(work.dropped, np.int64)),

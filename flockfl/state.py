@@ -43,6 +43,7 @@ class DriverRecord:
     partial_round: Optional[dict] = None  # a mid-round checkpoint's progress (``rounds.RoundWork``)
     round_cohort: Optional[list] = None  # a stage's cohort of a whole multi-cycle round
     mlflow_run_id: Optional[str] = None  # the MLflow run a resume continues (set by the flow)
+    eval_reuse: Optional[dict] = None  # the last evaluation's per-client metrics (``eval.reuse``, flockfl/eval_reuse.py)
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "DriverRecord":

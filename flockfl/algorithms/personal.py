@@ -16,7 +16,7 @@ clients at a time; ``accuracy`` and ``accuracy_personal``, plus any family a sub
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -29,7 +29,8 @@ from flockfl.clientstate import ClientTable, chunks
 from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.trainers import stat_names, training
 from flockfl.eval_protocol import ClientMetrics, family, overlay, protocol
-from flockfl.evaluation import client_results, measure_own, measure_shared
+from flockfl.eval_reuse import FP_BYTES, measure_own_reused, measure_shared_reused
+from flockfl.evaluation import client_results, measure_own
 
 
 class Personal(Algorithm):
@@ -144,13 +145,24 @@ class PersonalModels(Personal):
         A client never trained has the global w as its personal model (``personal_rows``), so
         its personal metrics are its global ones: only the written rows are measured one model
         each (a 10,000-client population trained 1,000 a round has mostly such clients)."""
-        glob = measure_shared(ctx, state.models, np.zeros(len(clients), np.int64), clients)
+        glob = measure_shared_reused(ctx, "global", state.models, np.zeros(len(clients), np.int64), clients)
         if not self.unwritten_rows_are_global or "personal" not in state.algo:
             return {"": measure_own(ctx, self.own_models(state, ctx, clients, assign), clients), "_global": glob}
         mine = np.flatnonzero(state.algo["personal"].written(clients))
-        own = (measure_own(ctx, self.own_models(state, ctx, clients[mine], assign[mine]), clients[mine])
-               if len(mine) else None)
+        own = (measure_own_reused(ctx, "personal", clients[mine], self.own_fingerprints(state, clients[mine]),
+                                  lambda pos: self.own_models(state, ctx, clients[mine][pos], assign[mine][pos]),
+                                  state.models) if len(mine) else None)
         return {"": overlay(glob, mine, own), "_global": glob}
+
+    def own_fingerprints(self, state, clients) -> Optional[np.ndarray]:
+        """[len(clients), 16] fingerprints of the written personal rows ``own_models`` gives these
+        clients: their table digests (computed when the rows were written), truncated
+        (:mod:`flockfl.eval_reuse`); None (measure them all) for a subclass whose ``own_models``
+        computes the evaluated models otherwise."""
+        if type(self).own_models is not PersonalModels.own_models:
+            return None
+        table = state.algo["personal"]
+        return np.stack([np.frombuffer(table.digest(int(c))[:FP_BYTES], np.uint8) for c in clients])
 
     def admit_newcomers(self, state, ctx, newcomers):
         return state, self.eval_assignment(state, ctx)[newcomers], "the global w (an unwritten personal row)"

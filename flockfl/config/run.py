@@ -29,7 +29,8 @@ class EvalConfig(_Section):
     test sample of its labels (10,000 rows for an IID Fashion-MNIST client: 5x the whole
     training of a 1,200-client run). ``all``: both test sets for every model, so one run answers
     every convention (the repro tables that print several set it). ``configured``: the
-    configured ``test_set`` only.
+    configured ``test_set`` only. ``reuse``: a client whose model and data did not change since
+    its last evaluation keeps the metrics it had (``flockfl/eval_reuse.py``; bit-identical).
     """
 
     test_set: Literal["proportional", "label_union"] = Field(
@@ -45,6 +46,10 @@ class EvalConfig(_Section):
         "cheap", description="cheap: the configured test_set, and the other one for shared models only (no extra "
                              "forward passes); all: both test sets for every model, personal and fine-tuned ones "
                              "included; configured: the configured test_set only")
+    reuse: bool = Field(
+        True, description="a client whose model and data did not change since its last evaluation keeps its "
+                          "metrics (bit-identical) instead of being measured again; false: measure every client "
+                          "every evaluation")
 
 
 class TrackingConfig(_Section):
