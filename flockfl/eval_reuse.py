@@ -153,10 +153,9 @@ def active(ctx: RunContext) -> Optional[EvalReuse]:
 
 
 def measure_shared_reused(ctx: RunContext, name: str, models: dict[str, torch.Tensor], which: np.ndarray,
-                          clients: np.ndarray) -> ClientMetrics:
-    """:func:`flockfl.evaluation.measure_shared`, reusing what did not change (set ``name``)."""
-    from flockfl.evaluation import measure_shared
-
+                          clients: np.ndarray, measure_shared: Callable) -> ClientMetrics:
+    """``measure_shared`` (:func:`flockfl.evaluation.measure_shared`, passed in: evaluation imports
+    this module), reusing what did not change (set ``name``)."""
     store = active(ctx)
     which = np.maximum(np.asarray(which, np.int64), 0)
     clients = np.asarray(clients, np.int64)
@@ -167,14 +166,13 @@ def measure_shared_reused(ctx: RunContext, name: str, models: dict[str, torch.Te
 
 
 def measure_own_reused(ctx: RunContext, name: str, clients: np.ndarray, fps: Optional[np.ndarray],
-                       build: Callable[[np.ndarray], dict[str, torch.Tensor]], layout: dict[str, torch.Tensor]
-                       ) -> ClientMetrics:
+                       build: Callable[[np.ndarray], dict[str, torch.Tensor]], layout: dict[str, torch.Tensor],
+                       measure_own: Callable) -> ClientMetrics:
     """:func:`flockfl.evaluation.measure_own` of ``build(positions)`` (the stacked models of
     ``clients[positions]``), built only for the clients whose fingerprint ``fps`` changed (all,
     without a store or without fingerprints). ``layout``: stacked tensors of the models' names,
-    shapes (after the first axis) and dtypes, e.g. ``state.models``."""
-    from flockfl.evaluation import measure_own
-
+    shapes (after the first axis) and dtypes, e.g. ``state.models``; ``measure_own``:
+    :func:`flockfl.evaluation.measure_own`."""
     store = active(ctx)
     clients = np.asarray(clients, np.int64)
     if store is None or fps is None:

@@ -272,7 +272,7 @@ def evaluate_models(models: dict[str, torch.Tensor], assign: np.ndarray, ctx: Ru
     clients = np.arange(ctx.num_clients) if clients is None else np.asarray(clients, np.int64)
     mine = assign[clients]
     k = next(iter(models.values())).shape[0]
-    out = client_results(ctx, measure_shared_reused(ctx, "assigned", models, mine, clients), assign,
+    out = client_results(ctx, measure_shared_reused(ctx, "assigned", models, mine, clients, measure_shared), assign,
                          lambda t: cluster_breakdown(ctx, clients, mine, *t, k))
     if "theta" in ctx.truth:
         out["min_dist"] = min_dist(models, ctx.truth["theta"])

@@ -30,7 +30,7 @@ from flockfl.engine.functional import per_sample_loss
 from flockfl.engine.trainers import stat_names, training
 from flockfl.eval_protocol import ClientMetrics, family, overlay, protocol
 from flockfl.eval_reuse import FP_BYTES, measure_own_reused, measure_shared_reused
-from flockfl.evaluation import client_results, measure_own
+from flockfl.evaluation import client_results, measure_own, measure_shared
 
 
 class Personal(Algorithm):
@@ -145,13 +145,14 @@ class PersonalModels(Personal):
         A client never trained has the global w as its personal model (``personal_rows``), so
         its personal metrics are its global ones: only the written rows are measured one model
         each (a 10,000-client population trained 1,000 a round has mostly such clients)."""
-        glob = measure_shared_reused(ctx, "global", state.models, np.zeros(len(clients), np.int64), clients)
+        glob = measure_shared_reused(ctx, "global", state.models, np.zeros(len(clients), np.int64), clients,
+                                     measure_shared)
         if not self.unwritten_rows_are_global or "personal" not in state.algo:
             return {"": measure_own(ctx, self.own_models(state, ctx, clients, assign), clients), "_global": glob}
         mine = np.flatnonzero(state.algo["personal"].written(clients))
         own = (measure_own_reused(ctx, "personal", clients[mine], self.own_fingerprints(state, clients[mine]),
                                   lambda pos: self.own_models(state, ctx, clients[mine][pos], assign[mine][pos]),
-                                  state.models) if len(mine) else None)
+                                  state.models, measure_own) if len(mine) else None)
         return {"": overlay(glob, mine, own), "_global": glob}
 
     def own_fingerprints(self, state, clients) -> Optional[np.ndarray]:
