@@ -72,7 +72,7 @@ def test_a_small_table_end_to_end_and_continued(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     out = last_json(res.stdout)
     assert out["protocol"] == {"test_set": "proportional", "average": "samples", "report": "best", "last_k": 10,
-                               "conventions": "cheap"}
+                               "conventions": "cheap", "reuse": True}
     assert out["runs"] == 4 and not out["failed"]
     cell = next(c for c in out["cells"] if c["row"] == "FedAvg" and c["column"] == "#C=2")
     assert cell["published"]["Flower"] == [78.10, 2.51] and cell["published"]["NIID-Bench"] == [77.3, 4.9]
