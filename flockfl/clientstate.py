@@ -46,6 +46,7 @@ from flockfl import rowfiles
 from flockfl.errors import CheckpointError
 from flockfl.rowfiles import _signature, _write_all, row_path
 
+
 class ClientTable:
     """One row per client: a dict of named tensors, the same shapes and dtypes for every client."""
 
@@ -168,15 +169,11 @@ class ClientTable:
         root = Path(root)
         if self.root is not None and Path(self.root).resolve() != root.resolve() and self.written().any():
             _copy_rows(self, root)  # a table moving to another run directory brings its rows along
-        todo = {}
-        for c, row in self.dirty.items():
-            path = row_path(root, c, self.digest(c))
-            if not path.exists():
-                todo[path] = row
+        paths = {c: row_path(root, c, self.digest(c)) for c in self.dirty}
+        todo = {paths[c]: row for c, row in self.dirty.items() if not paths[c].exists()}
         _write_all(todo)
         for c, row in self.dirty.items():  # what was just written is what the next round reads
-            path = row_path(root, c, self.digest(c))
-            rowfiles.ROW_CACHE.put((str(root), c, self.digest(c)), row, _signature(path))
+            rowfiles.ROW_CACHE.put((str(root), c, self.digest(c)), row, _signature(paths[c]))
         self.root = root
         self.dirty = {}
         return sum(len(r) for r in todo.values())

@@ -306,12 +306,12 @@ def learn(modules: set) -> None:
         f = getattr(sys.modules.get(name), "__file__", None)
         if f and name.isascii() and " " not in name and os.path.abspath(f).startswith(roots):
             new.add(name)
-    new -= _learned()
-    if not new:
+    known = _learned()
+    if new <= known:
         return
     path = _learned_path()
     tmp = path.with_name(f"{path.name}.{os.getpid()}")
-    tmp.write_text("\n".join(sorted(_learned() | new)))
+    tmp.write_text("\n".join(sorted(known | new)))
     os.replace(tmp, path)
 
 

@@ -223,19 +223,12 @@ class Resident:
         """Report the commands that ended (API servers are their Popen's to reap); whether any did."""
         ended = False
         for pid in list(self.detached):
-            try:
-                done = os.waitpid(pid, os.WNOHANG)[0]
-            except ChildProcessError:
-                done = pid
-            if done:
+            if _ended_status(pid) is not None:
                 self.detached.discard(pid)
                 self._ended(pid)
         for pid in list(self.children):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done, status = pid, 1 << 8
-            if done == 0:
+            status = _ended_status(pid)
+            if status is None:
                 continue
             conn = self.children.pop(pid)
             ended = True
@@ -251,6 +244,15 @@ class Resident:
                 pass
             conn.close()
         return ended
+
+
+def _ended_status(pid: int) -> int | None:
+    """The wait status of child ``pid`` if it ended (reaped now), else None."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # already reaped elsewhere: an unknown failure
+        return 1 << 8
+    return status if done else None
 
 
 def _stop_server(proc: subprocess.Popen) -> None:
