@@ -26,7 +26,7 @@ def bn_names(model: nn.Module) -> list[str]:
     return [n.rsplit(".", 1)[0] for n, p in model.named_parameters() if not p.requires_grad and n.endswith("running_mean")]
 
 
-CALIBRATE_ROWS = 2048  # rows (clients × rows each) of one batched precise-BN pass
+CALIBRATE_ROWS = 1024  # rows (clients × rows each) of one batched precise-BN pass (measured: docs/benchmarks.md)
 
 
 @torch.no_grad()
