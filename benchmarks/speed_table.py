@@ -28,8 +28,9 @@ descheduled one (W1's plain loop 57 s a round at 2 threads, 0.34 s at 1); when t
 quieter two threads are faster. Compare rows of one run only, and give ``--threads`` to pin it.
 The thread count changes the bits of some reductions (the digest corpus fails at 1 thread), so
 flockfl's default is not chosen by load; ``train.threads`` sets it.
-``FLOCKFL_CONV_LAYOUT=channels_last`` runs the vectorised convolutions channels-last (faster,
-other bits; see ``flockfl.engine.functional._conv_format``).
+``--conv-layout`` sets ``train.conv_layout`` (default ``auto``: the vectorised convolutions
+channels-last on a CPU; ``contiguous``: NCHW, vmap's bits; see
+``flockfl.engine.functional.memory_format``).
 
 Through ``flockfl run`` (``--runs fedavg,fedprox,scaffold``, W1 only): the whole round as the
 command runs it with its defaults (evaluation every round, checkpoint, MLflow logging):
@@ -43,6 +44,7 @@ first step).
 Usage: python benchmarks/speed_table.py [--workloads w1,lenet5,cnn_bn] [--rounds 5] [--threads 0]
                                         [--device cpu|cuda] [--engine auto] [--fmnist DIR]
                                         [--runs fedavg,fedprox,scaffold | --runs none]
+                                        [--conv-layout auto|channels_last|contiguous]
 """
 
 from __future__ import annotations
@@ -275,7 +277,7 @@ def run_workload(name: str, raw: dict, rounds: int, args, cohort: int = 0) -> di
     raw = copy.deepcopy(raw)
     # no fine-tuned convention: the loop evaluates the global model as it is, and so does flockfl
     raw["train"].update({"rounds": rounds, "threads": args.threads, "engine": args.engine, "device": args.device,
-                         "eval_finetune": "off"})
+                         "eval_finetune": "off", "conv_layout": args.conv_layout})
     if cohort:
         raw["train"]["clients_per_round"] = cohort
     raw["tracking"] = {"enabled": False}
@@ -336,6 +338,8 @@ def main() -> None:
     ap.add_argument("--runs", default="fedavg,fedprox,scaffold",
                     help="algorithms timed on W1 through `flockfl run`, whole rounds ('none': no such rows)")
     ap.add_argument("--run-rounds", type=int, default=10, help="rounds of each `flockfl run` and of its loop (median)")
+    ap.add_argument("--conv-layout", default="auto", choices=["auto", "channels_last", "contiguous"],
+                    help="train.conv_layout")
     args = ap.parse_args()
 
     import torch
@@ -357,8 +361,7 @@ def main() -> None:
         print(f"# {spec}: engine={r['engine']} ({r['reason']}); final accuracy plain {r['acc_plain']:.3f}, "
               f"flockfl {r['acc_flockfl']:.3f}", flush=True)
     print()
-    layout = os.environ.get("FLOCKFL_CONV_LAYOUT", "contiguous")
-    print(f"device={args.device} threads={torch.get_num_threads()} cores={os.cpu_count()} conv layout={layout} "
+    print(f"device={args.device} threads={torch.get_num_threads()} cores={os.cpu_count()} conv layout={args.conv_layout} "
           f"torch {torch.__version__}; "
           f"median of {args.rounds - 1} rounds (first left out); ratio = plain ÷ flockfl")
     print()

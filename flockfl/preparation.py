@@ -54,6 +54,7 @@ def prepare(cfg: ExperimentConfig, partitions_root: str | Path = "data/partition
     data = build_client_data(ds, part).to(resolve_device(cfg.train.device, cfg.train.fast_math))
     model = build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden).to(data.train.x.device)
     model.eval()  # evaluation mode by default (BN uses its statistics); the trainers switch to training mode
+    model.conv_layout = cfg.train.conv_layout  # train.conv_layout, read by the stacked path (engine.functional.conv_layout)
     truth = {"theta": ds.meta["theta"]} if "theta" in ds.meta else {}
     return assemble(cfg, model, data, truth, partition_path=path, partition_hash=part.content_hash, partition_cached=cached,
                     threads=threads, info={"heterogeneity": dict(part.info.get("heterogeneity") or {})},
@@ -77,6 +78,7 @@ def prepare_data(cfg: ExperimentConfig, data: ClientData, model: Optional[torch.
     """A run on client data built elsewhere (a synthetic problem such as
     ``flockfl.data.lsq.hetero_lsq``, a test's clients): no dataset, no partition store."""
     model = model or build_model(cfg.model.name, data.input_shape, data.num_outputs, cfg.model.hidden)
+    model.conv_layout = cfg.train.conv_layout
     return assemble(cfg, model, data)
 
 

@@ -9,12 +9,13 @@ import pytest
 import torch
 from torch import nn
 
-from flockfl.engine import LocalSpec, train_cohort, train_reference
-from flockfl.engine.functional import _Pool, stack, stacked_plan
+from flockfl.engine import LocalSpec, train_cohort, train_reference, trainers
+from flockfl.engine.bn import calibrate_bn_loop
+from flockfl.engine.functional import _Pool, conv_layout, stack, stacked_plan
 from flockfl.engine.schedule import LrSchedule
 from flockfl.engine.runtime import keep_freed_memory
 from flockfl.rng import torch_generator
-from models import build_model, init_params
+from models import WeightedBatchNorm2d, build_model, init_params
 
 from conftest import rel_err
 from test_engine import random_clients
@@ -52,12 +53,20 @@ def variant(name: str, init: dict, n: int) -> dict:
 VARIANTS = ["epochs", "full_batch", "terms", "masks", "schedule"]
 
 
+def plain_arithmetic(model: nn.Module, monkeypatch) -> None:
+    """The stacked path as vmap computes it: contiguous NCHW convolutions, BN written out."""
+    model.conv_layout = "contiguous"
+    monkeypatch.setattr(WeightedBatchNorm2d, "fused", False)
+
+
 @pytest.mark.parametrize("model_name", ["lenet5", "lenet5_bn", "cnn_bn", "mlp"])
 @pytest.mark.parametrize("name", VARIANTS)
-def test_stacked_path_equals_vmap_bit_for_bit(model_name, name):
-    """The digests of the vectorised trainer were recorded with vmap(grad): the stacked path
-    must reproduce them exactly (parameters, BN statistics, losses, snapshots)."""
+def test_stacked_path_equals_vmap_bit_for_bit(model_name, name, monkeypatch):
+    """With ``train.conv_layout=contiguous`` and BN written out, the stacked path reproduces
+    vmap(grad) exactly (parameters, BN statistics, losses, snapshots): the two differ in dispatch
+    only. (The defaults, channels-last and fused BN, agree with both to float rounding.)"""
     data, model, init = cohort(model_name)
+    plain_arithmetic(model, monkeypatch)
     spec = LocalSpec(np.arange(len(SIZES)), init, 0.1, **variant(name, init, len(SIZES)))
     a = train_cohort(model, spec, data.train, data.task, seed=4, round=2, method="func")
     b = train_cohort(model, spec, data.train, data.task, seed=4, round=2, method="stacked")
@@ -69,9 +78,10 @@ def test_stacked_path_equals_vmap_bit_for_bit(model_name, name):
 
 
 @pytest.mark.parametrize("model_name", ["lenet5", "cnn_bn"])
-def test_stacked_path_on_28x28_equals_vmap_and_reference(model_name):
+def test_stacked_path_on_28x28_equals_vmap_and_reference(model_name, monkeypatch):
     """5×5 valid convolutions (the Fashion-MNIST geometry), a shared FedAvg-style start."""
     data, model, _ = cohort(model_name, (1, 28, 28), [12, 7, 20])
+    plain_arithmetic(model, monkeypatch)
     base = init_params(model, torch_generator(2, purpose="init"))
     init = {k: v.unsqueeze(0).expand(3, *v.shape) for k, v in base.items()}
     spec = LocalSpec(np.arange(3), init, 0.05, epochs=1, batch_size=5)
@@ -85,10 +95,15 @@ def test_stacked_path_on_28x28_equals_vmap_and_reference(model_name):
 
 @pytest.mark.parametrize("model_name", ["lenet5", "lenet5_bn", "cnn_bn"])
 @pytest.mark.parametrize("name", ["epochs", "terms", "masks"])
-def test_stacked_path_agrees_with_reference(model_name, name):
+def test_stacked_path_agrees_with_reference(model_name, name, monkeypatch):
+    """The defaults (channels-last convolutions, fused BN where a step has no padding, batched
+    precise BN) against the reference loop with BN written out and a per-client precise BN."""
     data, model, init = cohort(model_name)
     spec = LocalSpec(np.arange(len(SIZES)), init, 0.1, **variant(name, init, len(SIZES)))
-    ref = train_reference(model, spec, data.train, data.task, seed=4, round=2)
+    with monkeypatch.context() as m:
+        m.setattr(WeightedBatchNorm2d, "fused", False)
+        m.setattr(trainers, "calibrate_bn", calibrate_bn_loop)
+        ref = train_reference(model, spec, data.train, data.task, seed=4, round=2)
     vec = train_cohort(model, spec, data.train, data.task, seed=4, round=2)  # auto: the stacked path
     assert rel_err(vec.params, ref.params) < 1e-5
     np.testing.assert_array_equal(vec.num_steps, ref.num_steps)
@@ -133,20 +148,43 @@ def test_allocator_setting_can_be_left_alone(monkeypatch):
 
 
 @pytest.mark.parametrize("model_name", ["lenet5", "cnn_bn"])
-def test_channels_last_conv_layout_is_opt_in_and_agrees(model_name, monkeypatch):
-    """``FLOCKFL_CONV_LAYOUT=channels_last``: the grouped convolutions run channels-last (other
-    summation order) and still agree with the reference loop; unset, the stacked path is
-    vmap's bit for bit."""
+def test_conv_layout_is_channels_last_on_cpu_by_default_and_agrees(model_name, monkeypatch):
+    """``train.conv_layout``: ``auto`` (a model's default) runs the grouped convolutions
+    channels-last on a CPU, ``contiguous`` in NCHW (vmap's bits); both agree with the reference
+    loop to float rounding."""
+    seen: list = []
+    conv2d = nn.functional.conv2d
+    monkeypatch.setattr(nn.functional, "conv2d", lambda a, *args: (a.shape[1] > 1 and seen.append(  # 1 channel: both
+        a.is_contiguous(memory_format=torch.channels_last) and not a.is_contiguous()), conv2d(a, *args))[1])
     data, model, init = cohort(model_name, (1, 28, 28), [12, 7, 20])
     spec = LocalSpec(np.arange(3), init, 0.05, epochs=1, batch_size=5, momentum=0.5)
     ref = train_reference(model, spec, data.train, data.task, seed=1, round=0)
-    monkeypatch.delenv("FLOCKFL_CONV_LAYOUT", raising=False)
-    default = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="stacked")
-    func = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="func")
-    assert all(torch.equal(default.params[k], func.params[k]) for k in func.params)
-    monkeypatch.setenv("FLOCKFL_CONV_LAYOUT", "channels_last")
+    seen.clear()
+    assert conv_layout(model) == "auto"
     cl = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="stacked")
-    assert all(v.is_contiguous() for v in cl.params.values())
-    assert rel_err(cl.params, ref.params) < 1e-5
-    assert rel_err(cl.params, init) > 1e-3
-    np.testing.assert_allclose(cl.loss, ref.loss, rtol=1e-4)
+    assert seen and all(seen)
+    model.conv_layout = "contiguous"
+    seen.clear()
+    nchw = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="stacked")
+    assert seen and not any(seen)
+    for got in (cl, nchw):
+        assert all(v.is_contiguous() for v in got.params.values())
+        assert rel_err(got.params, ref.params) < 1e-5
+        assert rel_err(got.params, init) > 1e-3
+        np.testing.assert_allclose(got.loss, ref.loss, rtol=1e-4)
+
+
+def test_conv_layout_key_reaches_the_run_model(tmp_path):
+    """``train.conv_layout`` is set on the run's model (also a worker's, which prepares its
+    own); a wrong word is a one-line ConfigError."""
+    from conftest import tiny_config
+    from flockfl.errors import ConfigError
+    from flockfl.experiments import validate
+    from flockfl.rounds import prepare
+
+    model = {"model": {"name": "lenet5"}}
+    assert conv_layout(prepare(validate(tiny_config(**model)), tmp_path).ctx.model) == "auto"
+    cfg = validate(tiny_config(**model, train={"conv_layout": "contiguous"}))
+    assert conv_layout(prepare(cfg, tmp_path).ctx.model) == "contiguous"
+    with pytest.raises(ConfigError, match="train.conv_layout"):
+        validate(tiny_config(train={"conv_layout": "nhwc"}))

@@ -194,12 +194,14 @@ AGREE_FAKE = [("fedavg", "lenet5"), ("scaffold", "mlp"), ("ifca", "mlp")]  # pla
 @pytest.mark.parametrize("device,algorithm,model", cases((FAKE, AGREE_FAKE), (CUDA, AGREE)))
 def test_cpu_and_device_runs_agree(device, algorithm, model, tmp_path):
     """Three rounds on the CPU and on the device: the same draws (all made on the CPU), so the
-    same models up to float rounding and the same clusters; the emulation is bit-identical."""
+    same models up to float rounding and the same clusters; the emulation is bit-identical (the
+    convolutions in one layout: ``train.conv_layout=auto`` is channels-last on a CPU only)."""
     from flockfl.rounds import prepare, run_rounds
 
-    cpu = run_rounds(prepare(validate(config("cpu", algorithm, model)), tmp_path))
+    layout = {"train": {"conv_layout": "channels_last"}} if device == "fake_cuda" else {}
+    cpu = run_rounds(prepare(validate(config("cpu", algorithm, model, **layout)), tmp_path))
     with on(device) as dev:
-        gpu = run_rounds(prepare(validate(config(dev, algorithm, model)), tmp_path))
+        gpu = run_rounds(prepare(validate(config(dev, algorithm, model, **layout)), tmp_path))
         assert models_on(gpu, device) and trained_everyone(gpu)
         gpu_models = {k: v.cpu() for k, v in gpu.models.items()}
         gpu_digest = gpu.digest()

@@ -164,8 +164,10 @@ def test_a_worker_process_loads_the_plugins_itself(example, tmp_path):
     cfg = load_experiment(str(example / "trimmed.yaml"))
     prep = rounds.prepare(cfg, tmp_path / "parts")
     state, spec = rounds.select_stage(prep, prep.algorithm.init_state(prep.ctx), 0)
+    # the worker at the flow's thread count: the bits of some reductions (channels-last convolutions) depend on it
     job = ShardJob(config=cfg.model_dump(), context_key=context_key(cfg), data_root=str(tmp_path / "parts"),
-                   partition_hash=prep.partition_hash, shift=None, spec=spec, engine="vectorized", round=0)
+                   partition_hash=prep.partition_hash, shift=None, spec=spec, engine="vectorized", round=0,
+                   threads=torch.get_num_threads())
     (tmp_path / "job.pkl").write_bytes(pack(job))
     code = ("import sys; from flockfl.executor import run_job; from flockfl import plugins; "
             "out = run_job(open(sys.argv[1], 'rb').read()); open(sys.argv[2], 'wb').write(out); print(plugins.loaded())")

@@ -379,10 +379,16 @@ def test_pruning_and_a_curriculum_compose(tmp_path):
 # ---------------------------------------------------------------------- 8. both trainers
 
 
-@pytest.mark.parametrize("method,model", [("unstructured", "mlp"), ("hybrid", "cnn_bn"), ("structured", "lenet5_bn")])
-def test_both_trainers_agree_on_pruning_rounds(tmp_path, method, model):
+@pytest.mark.parametrize("method,model,layout", [("unstructured", "mlp", "auto"), ("hybrid", "cnn_bn", "auto"),
+                                                 ("structured", "lenet5_bn", "contiguous")])
+def test_both_trainers_agree_on_pruning_rounds(tmp_path, method, model, layout):
+    """Two pruning rounds, both trainers, to 1e-5. structured/lenet5_bn runs NCHW convolutions:
+    channels-last (the default) sums the convolutions in another order, and in round 2 one BN
+    output whose value is 0 up to rounding (2e-6 against -1e-6) lands on the other side of its
+    ReLU, after which the two runs part by 3 % (the masks and the sparsity still agree): a
+    float-rounding change a ReLU net amplifies, not a disagreement of the trainers."""
     ref, vec = assert_trainers_agree(lambda e: cfg_of({"method": method, "channel_rate": 0.2, **EAGER}, model=model,
-                                                      rounds=2, engine=e), tmp_path)
+                                                      rounds=2, engine=e, conv_layout=layout), tmp_path)
     for kind in ("weights", "channels"):
         for k, v in ref.algo["pruning"][kind].dense().items():
             assert torch.equal(v, vec.algo["pruning"][kind].dense()[k]), k

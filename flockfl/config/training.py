@@ -95,6 +95,11 @@ class TrainConfig(_Section):
     # on CUDA: false (default) = deterministic kernels, TF32 off, so a resume on a GPU is
     # bit-identical; true = TF32 and non-deterministic kernels (faster, gives up bit-identity)
     fast_math: bool = False
+    # the memory format of the convolutions of the vectorised trainer and of its precise BN: auto
+    # (channels-last on a CPU, where oneDNN's kernels measured faster, docs/benchmarks.md; contiguous NCHW on a
+    # GPU), channels_last, or contiguous (NCHW: the vectorised trainer's bits are vmap's); the layouts agree to
+    # float rounding
+    conv_layout: Literal["auto", "channels_last", "contiguous"] = "auto"
     # clients per chunk when evaluating or fine-tuning every client (bounds memory at scale)
     eval_chunk: int = Field(256, ge=1)
     # the end-of-run fine-tuned evaluation holds at most this many MB of fine-tuned models at once

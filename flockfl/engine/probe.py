@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from flockfl.engine.data import Split
+from flockfl.engine.functional import conv_layout, memory_format
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict
 from flockfl.engine.trainers import train_cohort, train_reference
 
@@ -87,7 +88,8 @@ def probe_key(model: nn.Module, spec: LocalSpec, data: Split, seed: int) -> str:
     extras = sorted(f.name for f in dataclasses.fields(spec)
                     if f.name not in ("clients", "init", "lr", "meta", "stream", "lr_schedule")
                     and getattr(spec, f.name) not in (None, 0, 0.0, False) and not isinstance(getattr(spec, f.name), str))
-    facts = {"model": repr(model), "shapes": {k: list(v.shape) for k, v in spec.init.items()},
+    facts = {"model": repr(model), "layout": str(memory_format(conv_layout(model), data.x.device)),
+             "shapes": {k: list(v.shape) for k, v in spec.init.items()},
              "sample": list(data.x.shape[1:]), "dtype": str(data.x.dtype), "device": str(data.x.device),
              "clients": len(spec.clients), "steps": steps, "batch": spec.batch_size, "extras": extras,
              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.node(),

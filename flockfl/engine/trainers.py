@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
@@ -77,26 +78,6 @@ def stat_names(model: nn.Module) -> list[str]:
     """Entries of the parameter dict that are state, not trained (BN statistics), in the
     model's order: neither trainer steps them; :func:`calibrate_bn` sets them after training."""
     return [n for n, p in model.named_parameters() if not p.requires_grad]
-
-
-@torch.no_grad()
-def calibrate_bn(model: nn.Module, params: dict[str, torch.Tensor], data: Split, clients: np.ndarray) -> None:
-    """"Precise BN": set each client's BN statistics (in place, row i for ``clients[i]``) to
-    the exact mean and unbiased variance of each BN input over the client's whole training
-    set, under its trained parameters. Shared by both trainers, so they agree."""
-    bns = [n.rsplit(".", 1)[0] for n in stat_names(model) if n.endswith("running_mean")]  # in forward order
-    if not bns:
-        return
-    with training(model):
-        for i, cid in enumerate(clients):
-            x_c, _ = data.client(int(cid))
-            if len(x_c) == 0:
-                continue
-            record: list = []
-            functional_call(model, {k: v[i] for k, v in params.items()}, (x_c,), {"record": record})
-            for bn, (mean, var, count) in zip(bns, record):
-                params[f"{bn}.running_mean"][i] = mean
-                params[f"{bn}.running_var"][i] = var * (count / max(count - 1, 1))
 
 
 @contextlib.contextmanager
@@ -230,9 +211,10 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
         extras = _GradientTerms(spec, params, device)
         masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
         snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
+        full = (sched.weight > 0).flatten(1).all(1).tolist()  # steps with no padded slot (BN fused), read on the CPU
         with training(model):
             for s in range(sched.steps):
-                g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s])
+                g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s], full[s])
                 with torch.no_grad():
                     if extras.any:
                         g = extras.apply(params, g, sched.active[s].to(device))
@@ -264,8 +246,9 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
 
 
 def cohort_step(model: nn.Module, task: str, method: str = "auto"):
-    """``step(params, x, y, w) → (gradients, losses)`` for parameters stacked on a leading client
-    axis and a [C, B] batch with per-sample weights ``w`` (1/batch size, 0 for padding): the
+    """``step(params, x, y, w, full=None) → (gradients, losses)`` for parameters stacked on a leading
+    client axis and a [C, B] batch with per-sample weights ``w`` (1/batch size, 0 for padding;
+    ``full``: whether no slot is padded, a hint the stacked path's BN uses): the
     stacked convolution plan where the model has one (``auto``/``stacked``), else ``vmap`` of
     ``grad_and_value`` over ``functional_call``. BN statistics are taken over the real samples
     only; frozen entries (BN statistics) get a zero gradient (stacked) or their autograd one,
@@ -280,7 +263,10 @@ def cohort_step(model: nn.Module, task: str, method: str = "auto"):
     plan = stacked_plan(model) if method in ("auto", "stacked") else None
     if method == "stacked" and plan is None:
         raise ValueError("method='stacked' needs a Sequential of Conv2d/ReLU/MaxPool2d/Flatten/Linear or a ConvBNNet")
-    return stacked_step(model, plan, task, frozen) if plan is not None else vmap(grad_and_value(weighted_loss))
+    if plan is not None:
+        return stacked_step(model, plan, task, frozen)
+    batched = vmap(grad_and_value(weighted_loss))
+    return lambda p, x, y, w, full=None: batched(p, x, y, w)
 
 
 class _GradientTerms:

@@ -64,7 +64,10 @@ from flockfl.engine.functional import index_params
 from flockfl.engine.schedule import LocalSpec
 from flockfl.eval_protocol import ClientMetrics, family, protocol
 from flockfl.evaluation import measure_own, own_model_metrics
-from flockfl.engine.trainers import calibrate_bn, stat_names
+# precise BN one client at a time: the cache below recalibrates only the clients whose subnetwork changed, and a
+# client's statistics must be the same bits whichever clients share its pass (the batched pass's are not)
+from flockfl.engine.bn import calibrate_bn_loop as calibrate_bn
+from flockfl.engine.trainers import stat_names
 from flockfl.stages.masks import (apply_masks, changed_rows, first_mask_steps, flag_rows, hamming, magnitude_masks,
                                   subnet_key, thesis_comm_bytes)
 
