@@ -188,7 +188,14 @@ def test_a_signal_reaches_the_command_and_a_killed_client_takes_its_command_with
 def _api_servers(pid: int) -> list:
     import psutil
 
-    return [c for c in psutil.Process(pid).children() if "uvicorn" in " ".join(c.cmdline())]
+    found = []
+    for c in psutil.Process(pid).children():
+        try:
+            if "uvicorn" in " ".join(c.cmdline()):
+                found.append(c)
+        except psutil.Error:  # a command's child that ended and is not reaped yet (a zombie), or gone
+            continue
+    return found
 
 
 @pytest.mark.slow
