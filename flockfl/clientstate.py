@@ -44,7 +44,7 @@ import torch
 
 from flockfl import rowfiles
 from flockfl.errors import CheckpointError
-from flockfl.rowfiles import _signature, _write_all, row_path
+from flockfl.rowfiles import signature, write_all, row_path
 
 
 class ClientTable:
@@ -107,7 +107,7 @@ class ClientTable:
             raise CheckpointError(f"client state row of client {c}: the table has no directory to read it from")
         path = row_path(self.root, c, digest)
         try:
-            sig = _signature(path)
+            sig = signature(path)
             cached = rowfiles.ROW_CACHE.get((str(self.root), c, digest), sig)
             if cached is not None:
                 return cached
@@ -171,9 +171,9 @@ class ClientTable:
             _copy_rows(self, root)  # a table moving to another run directory brings its rows along
         paths = {c: row_path(root, c, self.digest(c)) for c in self.dirty}
         todo = {paths[c]: row for c, row in self.dirty.items() if not paths[c].exists()}
-        _write_all(todo)
+        write_all(todo)
         for c, row in self.dirty.items():  # what was just written is what the next round reads
-            rowfiles.ROW_CACHE.put((str(root), c, self.digest(c)), row, _signature(paths[c]))
+            rowfiles.ROW_CACHE.put((str(root), c, self.digest(c)), row, signature(paths[c]))
         self.root = root
         self.dirty = {}
         return sum(len(r) for r in todo.values())
@@ -245,9 +245,9 @@ def _copy_rows(table: ClientTable, root: Path, batch: int = 1024) -> None:
         if not dst.exists():
             todo[dst] = np.frombuffer(src.read_bytes(), np.uint8)
         if len(todo) >= batch:
-            _write_all(todo)
+            write_all(todo)
             todo = {}
-    _write_all(todo)
+    write_all(todo)
 
 
 # ---------------------------------------------------------------------- streaming over clients

@@ -45,7 +45,7 @@ class RowCache:
             self.nbytes -= self.rows.popitem(last=False)[1][0].nbytes
 
 
-def _signature(path: Path) -> tuple:
+def signature(path: Path) -> tuple:
     st = os.stat(path)
     return st.st_ino, st.st_size, st.st_mtime_ns
 
@@ -60,7 +60,7 @@ def row_path(root: Path, client: int, digest: bytes) -> Path:
 FSYNC_THREADS = 16
 
 
-def _write_all(rows: dict[Path, np.ndarray]) -> None:
+def write_all(rows: dict[Path, np.ndarray]) -> None:
     """Write each row to its path atomically: every temp file first, then their fsyncs, several
     at a time (the file system commits them together: 1,000 rows of 57 KB took 3.5 s one by one
     and 0.46 s 16 at a time here), then the renames. A crash leaves each row whole or absent,

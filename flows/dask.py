@@ -62,7 +62,7 @@ class DaskTraining:
         def run(shards):
             jobs = [executor.pack(executor.ShardJob(**self.base, shift=self.shift, spec=s, engine=engine, round=r))
                     for s in shards]
-            task = tasks.train_shard_remote.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
+            task = tasks.retried(tasks.train_shard_remote, cfg.max_retries)
             with dask.annotate(resources={"GPU": 1}) if self.gpu else nullcontext():
                 futures = [task.submit(job) for job in jobs]
             for job, fut in zip(jobs, futures):

@@ -56,14 +56,23 @@ DEFAULTS = {
 }
 
 
+def with_defaults(env: dict) -> dict:
+    """``env`` with :data:`DEFAULTS` filled in where it sets nothing. An OMP_WAIT_POLICY exported
+    empty asks for OpenMP's own default (spin a while, then sleep): it is dropped."""
+    merged = {**DEFAULTS, **env}
+    if merged.get("OMP_WAIT_POLICY") == "":
+        del merged["OMP_WAIT_POLICY"]
+    return merged
+
+
 def configure_environment(verbose: bool = False, home: str | Path | None = None) -> None:
-    for key, value in DEFAULTS.items():
-        os.environ.setdefault(key, value)
+    wanted = with_defaults(dict(os.environ))
+    os.environ.update(wanted)
+    if "OMP_WAIT_POLICY" not in wanted:
+        os.environ.pop("OMP_WAIT_POLICY", None)
     if verbose:
         os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
     os.environ.setdefault("PREFECT_HOME", str(Path(home or Path.cwd() / ".prefect").resolve()))
-    if os.environ.get("OMP_WAIT_POLICY") == "":  # exported empty: OpenMP's own default (spin a while, then sleep)
-        del os.environ["OMP_WAIT_POLICY"]
     import warnings
 
     warnings.filterwarnings("ignore", message=".*local version label.*")

@@ -81,12 +81,9 @@ def folder() -> Path:
 def import_env(env: dict) -> dict:
     """The variables of ``env`` that the resident's imports read, with flockfl's defaults applied
     as ``flows.env.configure_environment`` applies them before torch loads."""
-    from flows.env import DEFAULTS
+    from flows.env import with_defaults
 
-    merged = {**DEFAULTS, **env}
-    if merged.get("OMP_WAIT_POLICY") == "":
-        del merged["OMP_WAIT_POLICY"]
-    return {k: v for k, v in sorted(merged.items()) if k.startswith(IMPORT_ENV)}
+    return {k: v for k, v in sorted(with_defaults(env).items()) if k.startswith(IMPORT_ENV)}
 
 
 def key(env: Optional[dict] = None) -> str:

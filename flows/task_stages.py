@@ -36,7 +36,7 @@ def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optiona
     """The train stage as Prefect tasks: one ``train_shard`` task per shard (retried by Prefect),
     the shard loop of ``flockfl.training``."""
     cfg = prep.cfg.train
-    train = tasks.train_shard.with_options(retries=cfg.max_retries, retry_delay_seconds=0)
+    train = tasks.retried(tasks.train_shard, cfg.max_retries)
 
     def run(shards):
         if cfg.parallel_shards > 1:

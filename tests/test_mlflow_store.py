@@ -22,8 +22,8 @@ KIND = "custom_model_development"
 
 
 def test_runs_started_together_on_a_new_store_all_finish(tmp_path):
-    """Three real `flockfl run` processes started at once (as a shell loop with ``&`` does) on an
-    MLflow store and a Prefect home that do not exist yet: all exit 0, and the store holds three finished runs in one
+    """Two real `flockfl run` processes started at once (as a shell loop with ``&`` does) on an
+    MLflow store and a Prefect home that do not exist yet: all exit 0, and the store holds both finished runs in one
     experiment that carries the training kind tag."""
     from mlflow.tracking import MlflowClient
 
@@ -37,7 +37,7 @@ def test_runs_started_together_on_a_new_store_all_finish(tmp_path):
     # database at once either (flows/apiserver's first-start lock)
     env = flock_env({"PREFECT_HOME": str(tmp_path / "prefect-home")}, per_process=True)
     procs = []
-    for i in range(3):
+    for i in range(2):  # two race as three do (a third cost 25 s of the suite)
         out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
         cmd = [sys.executable, "-m", "flows.cli", "run", "tiny.yaml", "--run-dir", f"runs/r{i}", "--json",
                "--no-progress", "--tracking-uri", uri, "--partitions", str(tmp_path / "parts")]
@@ -61,7 +61,7 @@ def test_runs_started_together_on_a_new_store_all_finish(tmp_path):
     for rc, _, stderr in results:
         assert rc == 0, stderr[-3000:]
     run_ids = {last_json(stdout)["run_id"] for _, stdout, _ in results}
-    assert len(run_ids) == 3
+    assert len(run_ids) == 2
 
     client = MlflowClient(uri)
     exp = client.get_experiment_by_name(EXPERIMENT)
