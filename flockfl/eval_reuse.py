@@ -98,8 +98,13 @@ class EvalReuse:
     def _set(self, name: str, context: str, n: int) -> dict[str, Any]:
         s = self.sets.get(name)
         if s is None or s["context"] != context or len(s["has"]) != n:  # another data or layout: nothing holds
-            s = self.sets[name] = {"context": context, "fp": np.zeros((n, FP_BYTES), np.uint8),
-                                   "has": np.zeros(n, bool), "values": {}}
+            s = self._empty(name, context, n)
+        return s
+
+    def _empty(self, name: str, context: str, n: int) -> dict[str, Any]:
+        """Set ``name`` anew: no client stored."""
+        s = self.sets[name] = {"context": context, "fp": np.zeros((n, FP_BYTES), np.uint8), "has": np.zeros(n, bool),
+                               "values": {}}
         return s
 
     def measure(self, name: str, context: str, num_clients: int, clients: np.ndarray, fps: np.ndarray,
@@ -114,8 +119,7 @@ class EvalReuse:
         fresh = run(miss) if len(miss) else None
         if fresh is not None and s["values"] and set(fresh.sets) != set(s["values"]):
             # other test sets than those stored (the context names them: not expected): measure all
-            s = self.sets[name] = {"context": context, "fp": np.zeros((num_clients, FP_BYTES), np.uint8),
-                                   "has": np.zeros(num_clients, bool), "values": {}}
+            s = self._empty(name, context, num_clients)
             miss = np.arange(len(clients))
             fresh = run(miss)
         self._count(name, len(miss), len(clients) - len(miss))

@@ -154,7 +154,7 @@ def evaluate_stage(prep: PreparedRun, state: ServerState, round: int) -> dict[st
     """The algorithm's evaluation (each client with its cluster or global model, un-tuned);
     then, per ``train.eval_finetune``, the same after local fine-tuning (the thesis's
     convention); after the last round, the newcomers join and are measured."""
-    alg, ctx, cfg = prep.algorithm, prep.ctx, prep.cfg
+    ctx, cfg = prep.ctx, prep.cfg
     for st in prep.stages.values():
         st.sync(ctx, state)
     ctx.eval_reuse = EvalReuse.restore(state.driver.eval_reuse) if cfg.eval.reuse else None

@@ -62,7 +62,7 @@ class Scaffold(Algorithm):
     def __getstate__(self):  # the stash of _cohort_ci stays in this process (Dask ships the algorithm)
         return {k: v for k, v in self.__dict__.items() if k != "_gathered"}
 
-    def _cohort_ci(self, state, clients, spec, device) -> dict[str, torch.Tensor]:
+    def _cohort_ci(self, state, clients, device) -> dict[str, torch.Tensor]:
         """The cohort's c_i as local_spec read them from this same table (a table is a value: the
         same object, the same rows), or read again (a resumed round, another process)."""
         kept, self._gathered = getattr(self, "_gathered", None), None
@@ -81,7 +81,7 @@ class Scaffold(Algorithm):
         clients = result.clients
         c = state.algo["c"]
         spec.correction = None  # trained: c − c_i is not needed again (a cohort-sized tensor less below)
-        old = self._cohort_ci(state, clients, spec, next(iter(c.values())).device)
+        old = self._cohort_ci(state, clients, next(iter(c.values())).device)
         steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32)).to(next(iter(c.values())).device)
         grad_x = self.full_gradient(state, ctx, clients) if self.option == "I" else None
         step = self.pseudo_gradient(state, result)  # −Δx = mean(x − y_i)
