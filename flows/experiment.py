@@ -9,7 +9,7 @@ Here: the flow body, what it does between the stages (:class:`RoundHooks`) and t
 points that run it (:func:`run_experiment`, :func:`execute`). Its parts: the stages as tasks
 (flows/task_stages.py), the MLflow run from opening to closing (flows/run_tracking.py), the
 summary it returns (flows/run_summary.py), its clock (flows/run_clock.py), its core lease
-(flows/leases.py), its progress bar (flows/progress.py) and a patch of Prefect
+(flows/leases.py), its progress bar (flows/progress.py) and patches of Prefect
 (flows/prefect_patches.py).
 """
 
@@ -32,7 +32,7 @@ from flockfl.experiments import validate
 from flockfl.state import ServerState
 from flows.dask import DaskTraining, dask_cluster, dask_stage, shared_prefect_api
 from flows.leases import release_cores, request_cores, wait_for_cores
-from flows.prefect_patches import heartbeats_without_join
+from flows.prefect_patches import heartbeats_without_join, result_keys_without_path_walks
 from flows.progress import Progress
 from flows.run_clock import RoundClock, timed
 from flows.run_summary import RunRecord
@@ -43,6 +43,7 @@ from flows.tracking.background import BackgroundTracker
 from flows.tracking.store import prefetch
 
 heartbeats_without_join()
+result_keys_without_path_walks()
 
 
 class RoundHooks:
