@@ -404,6 +404,8 @@ def test_s_E_reads_a_pt_file_and_a_checkpoint_and_a_missing_file_is_one_line(tmp
     assert "\n" not in str(err.value)
 
 
+# a real MLflow store and a logged model (5-6 s): the full suite's
+@pytest.mark.slow
 def test_s_E_reads_an_mlflow_model_uri_through_the_readers_the_flow_passes(tmp_path):
     """The expert is one of the run's input files (``Stage.input_files``, read by the
     preparation like an algorithm's): an MLflow ``runs:/`` URI of a real SQLite store is read

@@ -7,9 +7,13 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
+# a benchmark script as a process (6 s): the full suite's
+@pytest.mark.slow
 def test_eval_speed_runs_both_regimes_and_agrees_with_the_loop():
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/eval_speed.py"), "--threads", "1", "--clients", "10",
                           "--repeat", "1", "--workloads", "mlp/digits"], cwd=ROOT, capture_output=True, text=True,

@@ -108,6 +108,8 @@ def test_a_kill_during_the_export_leaves_a_run_that_resume_finishes_without_dupl
     assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "round")) == [1, 2, 3]
 
 
+# a real MLflow SQLite store (2-9 s in the parallel suite): the full suite's, as the marker says
+@pytest.mark.slow
 def test_background_calls_run_in_order_and_a_failure_stops_finished(tmp_path):
     from mlflow.tracking import MlflowClient
 
@@ -148,6 +150,8 @@ def test_a_tracker_whose_store_cannot_open_fails_where_the_run_asks(tmp_path):
         t.check()
 
 
+# a real MLflow SQLite store (2-5 s): the full suite's
+@pytest.mark.slow
 def test_prefetch_opens_an_existing_store_and_never_creates_one(tmp_path):
     from flows.tracking.store import open_store, prefetch
 

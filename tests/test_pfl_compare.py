@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -38,6 +40,8 @@ def test_pfl_cnn_trains_alike_under_both_trainers(tmp_path):
     assert np.isfinite(vec.history[-1]["loss"]) and vec.history[-1]["clients_dropped"] == 0
 
 
+# a benchmark script as a process (6 s): the full suite's
+@pytest.mark.slow
 def test_pfl_compare_prints_flockfls_rows_without_pfl():
     """Without ``pfl`` installed (this venv) the script says so on one line and still times flockfl."""
     res = subprocess.run([sys.executable, str(ROOT / "benchmarks/pfl_compare.py"), "--device", "cpu", "--users", "12",

@@ -153,6 +153,8 @@ def test_the_trimmed_mean_drops_the_extremes(example):
     torch.testing.assert_close(new.models["w"], torch.tensor([[2.0, 1.0]]))  # means of {1,2,3} and {0,1,2}
 
 
+# a worker process of its own (5-6 s): the full suite's; the fast tier keeps the in-process plugin tests
+@pytest.mark.slow
 def test_a_worker_process_loads_the_plugins_itself(example, tmp_path):
     """A Dask worker is a fresh process that rebuilds the run from the job's config: told of the
     plugins by the environment (as LocalCluster's workers inherit it), it trains the shard as the
