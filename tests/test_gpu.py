@@ -172,7 +172,14 @@ REDUCED_CASES = [(a, "mlp") for a in REDUCED] + [("fedavg", "lenet5")]
 ALL_CASES = [(a, "mlp") for a in ALGORITHMS] + [("fedavg", "lenet5"), ("ifca", "lenet5"), ("fedavg", "lenet5_bn")]
 
 
-@pytest.mark.parametrize("device,algorithm,model", cases((CPU, REDUCED_CASES), (FAKE, REDUCED_CASES), (CUDA, ALL_CASES)))
+# the emulated GPU's LeNet-5 (8-10 s: every convolution through the emulation) is the full suite's;
+# the fast tier keeps the emulated MLP cases and LeNet-5 on the CPU
+FAKE_SLOW = pytest.param("fake_cuda", marks=[*FAKE.marks, pytest.mark.slow], id="fake_cuda")
+
+
+@pytest.mark.parametrize("device,algorithm,model", cases((CPU, REDUCED_CASES), (FAKE, [c for c in REDUCED_CASES if c[1] == "mlp"]),
+                                                         (FAKE_SLOW, [c for c in REDUCED_CASES if c[1] != "mlp"]),
+                                                         (CUDA, ALL_CASES)))
 def test_trainers_agree_on_the_device(device, algorithm, model, tmp_path):
     """The vectorised and reference trainers give the same models and clusters on the device
     (deterministic numerics: float rounding only, TF32 off)."""
