@@ -47,21 +47,41 @@ def max2d(x: torch.Tensor, k: tuple[int, int]) -> torch.Tensor:
     return out
 
 
-def _pool_size(m: nn.MaxPool2d) -> Optional[tuple[int, int]]:
-    pair = lambda v: (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))  # noqa: E731
-    k, s = pair(m.kernel_size), pair(m.stride if m.stride else m.kernel_size)
-    plain = (k == s and pair(m.padding) == (0, 0) and pair(m.dilation) == (1, 1)
-             and not m.ceil_mode and not m.return_indices)
+def pair(v) -> tuple[int, int]:
+    return (int(v), int(v)) if isinstance(v, int) else (int(v[0]), int(v[1]))
+
+
+def plain_pool(kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False
+               ) -> Optional[tuple[int, int]]:
+    """The window of a max-pool (``F.max_pool2d``'s arguments) that :func:`max2d` computes: kernel =
+    stride, no padding or dilation, floor mode, no indices; None for any other."""
+    k = pair(kernel_size)
+    s = k if stride is None or (not isinstance(stride, int) and len(stride) == 0) else pair(stride)
+    plain = s == k and pair(padding) == (0, 0) and pair(dilation) == (1, 1) and not ceil_mode and not return_indices
     return k if plain else None
 
 
+def _pool_size(m: nn.MaxPool2d) -> Optional[tuple[int, int]]:
+    return plain_pool(m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, m.return_indices)
+
+
+def _conv_args(m: nn.Conv2d) -> dict:
+    return {"stride": m.stride, "padding": m.padding, "dilation": m.dilation, "groups": m.groups}
+
+
 def _conv(name: str, m: nn.Conv2d) -> Step:
-    kw = {"stride": m.stride, "padding": m.padding, "dilation": m.dilation, "groups": m.groups}
+    kw = _conv_args(m)
     return lambda p, x: F.conv2d(x, p[f"{name}.weight"], p.get(f"{name}.bias"), **kw)
 
 
+def _linear(name: str, relu: bool = False) -> Step:
+    if relu:
+        return lambda p, x: torch.relu_(F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias")))
+    return lambda p, x: F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias"))
+
+
 def _conv_bn_relu_pool(conv: str, m: nn.Conv2d, bn: str, eps: float, k: tuple[int, int]) -> Step:
-    kw = {"stride": m.stride, "padding": m.padding, "dilation": m.dilation, "groups": m.groups}
+    kw = _conv_args(m)
 
     def step(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         # the model's own evaluation-mode BatchNorm arithmetic (models.WeightedBatchNorm2d)
@@ -90,7 +110,7 @@ def _sequential(model: nn.Sequential) -> Optional[list[Step]]:
         if type(m) is nn.Conv2d:
             steps.append(_conv(name, m))
         elif type(m) is nn.Linear:
-            steps.append(lambda p, x, n=name: F.linear(x, p[f"{n}.weight"], p.get(f"{n}.bias")))
+            steps.append(_linear(name))
         elif type(m) is nn.ReLU:
             steps.append(lambda p, x: torch.relu(x))
         elif type(m) is nn.Flatten and (m.start_dim, m.end_dim) == (1, -1):
@@ -108,10 +128,7 @@ def _conv_bn_net(model: nn.Module) -> list[Step]:
     for i in range(1, model.n_conv + 1):
         steps.append(_conv_bn_relu_pool(f"conv{i}", getattr(model, f"conv{i}"), f"bn{i}", getattr(model, f"bn{i}").eps, (2, 2)))
     steps.append(lambda p, x: x.flatten(1))
-    for i in range(1, model.n_fc + 1):
-        last = i == model.n_fc
-        steps.append(lambda p, x, n=f"fc{i}", last=last: (
-            F.linear(x, p[f"{n}.weight"], p[f"{n}.bias"]) if last else torch.relu_(F.linear(x, p[f"{n}.weight"], p[f"{n}.bias"]))))
+    steps += [_linear(f"fc{i}", relu=i < model.n_fc) for i in range(1, model.n_fc + 1)]
     return steps
 
 
