@@ -1,6 +1,8 @@
 """A fixed corpus of short runs and their ``state_sha256``: the bit-for-bit behaviour that a
 restructuring must keep (``tests/test_digests.py`` checks it; ``python tests/digest_corpus.py
---write`` records it anew, which only a deliberate change of behaviour may do).
+--write`` records it anew, which only a deliberate change of behaviour may do). Bits depend on the
+CPU's kernels, so tests/digests.json keeps one recording per machine arithmetic (:func:`arithmetic`)
+and holds a machine without one to the first; a deliberate change is recorded on each machine kind.
 
 Every algorithm (and the variant families that switch code paths), both trainers, each stage
 (curriculum, pruning, shift, newcomers), a resume in the middle of a run, and the Prefect flow
@@ -15,6 +17,36 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 DIGESTS = HERE / "digests.json"
+# the recording made before the corpus was kept per machine (its CPU's fingerprint was not taken):
+# what a machine without a recording of its own is held to
+FIRST = "first"
+
+
+def arithmetic() -> str:
+    """A fingerprint of this CPU's float32 arithmetic as the runs meet it: a GEMM, a batched GEMM, a
+    convolution, a softmax and a reduction on fixed inputs. The same code ends in other bits on
+    another CPU (AVX-512/AMX and AVX2 kernels sum in other orders: 117 of the 119 digests differed
+    between two machines of this workplace), so the corpus keeps one recording per fingerprint."""
+    import hashlib
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(37, 64, generator=g), torch.randn(64, 200, generator=g)
+    x, w = torch.randn(5, 10, 64, generator=g), torch.randn(5, 64, 32, generator=g)
+    img, k = torch.randn(4, 3, 12, 12, generator=g), torch.randn(6, 3, 5, 5, generator=g)
+    outs = [a @ b, torch.bmm(x, w), torch.nn.functional.conv2d(img, k), torch.log_softmax(a @ b, -1), (a @ b).sum(0)]
+    return hashlib.sha256(b"".join(o.contiguous().numpy().tobytes() for o in outs)).hexdigest()[:16]
+
+
+def recordings() -> dict[str, dict[str, str]]:
+    return json.loads(DIGESTS.read_text())
+
+
+def recorded() -> dict[str, str]:
+    """The digests recorded on a machine of this one's arithmetic, else the first recording."""
+    rec = recordings()
+    return rec.get(arithmetic(), rec[FIRST])
 
 LINREG = {"dataset": {"name": "synthetic_linreg", "clusters": 2, "dim": 10, "samples_per_client": 40},
           "partition": {"scheme": "natural", "num_clients": 16}, "model": {"name": "linear"},
@@ -146,10 +178,34 @@ def run_flock_case(name: str, root: Path) -> str:
 
 
 def write_all(root: Path) -> dict[str, str]:
+    """Record this machine's digests (its fingerprint's entry; the others are kept): every case,
+    the flows, and the older behaviours some tests hold a key's setting to (``EXTRA``)."""
     out = {name: run_case(name, raw, root) for name, raw in cases().items()}
     out.update({name: run_flock_case(name, root) for name in FLOCK_RUNS})
-    DIGESTS.write_text(json.dumps(dict(sorted(out.items())), indent=1) + "\n")
+    out.update({name: run_case(name.split("@")[0], extra_config(name), root) for name in EXTRA})
+    rec = recordings() if DIGESTS.exists() else {}
+    rec[arithmetic()] = dict(sorted(out.items()))
+    DIGESTS.write_text(json.dumps(rec, indent=1, sort_keys=True) + "\n")
     return out
+
+
+# behaviours of before a key was added that its old setting must keep (name@what: the case, and its
+# config's overrides), checked by tests/test_baseline_keys_*.py
+EXTRA: dict[str, dict] = {
+    "pfedme/reference@before_train_all_clients": {"algorithm": {"name": "pfedme", "train_all_clients": False,
+                                                                "inner_l2": 0.0, "local_rounds": None},
+                                                  "train": {"engine": "reference"}},
+    "pfedme/vectorized@before_train_all_clients": {"algorithm": {"name": "pfedme", "train_all_clients": False,
+                                                                 "inner_l2": 0.0, "local_rounds": None},
+                                                   "train": {"engine": "vectorized"}},
+    "lg_fedavg/vectorized@refresh_global_at_eval": {"algorithm": {"refresh_global_at_eval": True}},
+}
+
+
+def extra_config(name: str) -> dict:
+    from flockfl.config import deep_merge
+
+    return deep_merge(cases()[name.split("@")[0]], EXTRA[name])
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def test_lg_refresh_true_keeps_the_recorded_behaviour(tmp_path):
 
     raw = deep_merge(corpus.cases()["lg_fedavg/vectorized"], {"algorithm": {"refresh_global_at_eval": True}})
     assert corpus.run_case("lg_fedavg/vectorized", raw, tmp_path) == \
-        "31855ff705d188e1333b1ea8c90ec03094b652200401d78195c86e13f89edec4"
+        corpus.recorded()["lg_fedavg/vectorized@refresh_global_at_eval"]
 
 
 # ---------------------------------------------------------------------- FedBN: local_norm
