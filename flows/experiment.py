@@ -22,6 +22,7 @@ from typing import Optional, Union
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 from prefect.utilities.annotations import quote as Q
 
 import tasks
@@ -46,20 +47,34 @@ heartbeats_without_join()
 result_keys_without_path_walks()
 
 
+class Steps:
+    """How the run's body calls its steps (``tasks``): as Prefect tasks (the flow), or as the
+    tasks' own functions (``plain``: a cell of a stack, flows/stack.py, whose flow is the stack's)."""
+
+    def __init__(self, plain: bool = False):
+        self.plain = plain
+
+    def __call__(self, task, *args):
+        if not self.plain:
+            return task(*args)
+        return task.fn(*[a.unquote() if isinstance(a, quote) else a for a in args])
+
+
 class RoundHooks:
     """What the flow does where ``rounds.drive`` calls back (after the pre-federation step, a
     cycle, a round): checkpoint the state, log to MLflow, move the progress bar and the rounds'
     clock."""
 
     def __init__(self, cfg: ExperimentConfig, run_dir: str, tracker: Optional[BackgroundTracker],
-                 remote: Optional[DaskTraining], bar: Progress, clock: RoundClock):
+                 remote: Optional[DaskTraining], bar: Progress, clock: RoundClock, steps: Steps = Steps()):
         self.cfg, self.run_dir, self.tracker, self.remote, self.bar, self.clock = cfg, run_dir, tracker, remote, bar, clock
+        self.steps = steps
 
     def save(self, st: ServerState) -> None:
         if self.tracker:  # the MLflow run a resume continues (waits for it to exist: by now it does)
             self.tracker.check()  # a failed log fails the run here, not at its end
             st.driver.mlflow_run_id = self.tracker.run_id
-        tasks.checkpoint(Q(st), self.run_dir, self.cfg.train.checkpoints_to_keep)
+        self.steps(tasks.checkpoint, Q(st), self.run_dir, self.cfg.train.checkpoints_to_keep)
 
     def after_pre_federation(self, st: ServerState) -> None:
         self.save(st)  # resume never redoes it
@@ -77,7 +92,7 @@ class RoundHooks:
             row.update(self.remote.take_counts())
         self.save(st)
         if self.tracker:
-            tasks.log_metrics(Q(self.tracker), Q([row]))
+            self.steps(tasks.log_metrics, Q(self.tracker), Q([row]))
         self.bar.update(row)
         self.clock.round_done()
 
@@ -93,15 +108,23 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
     (:func:`flows.task_stages.task_stages`);
     each round is then checkpointed and logged.
     """
+    return run_body(config, run_dir, partitions_root, tracking_uri, progress, parent_run_id, run_tags, run_name)
+
+
+def run_body(config: dict, run_dir: str, partitions_root: str, tracking_uri: str, progress: Union[bool, str] = True,
+             parent_run_id: Optional[str] = None, run_tags: Optional[dict] = None, run_name: Optional[str] = None,
+             steps: Steps = Steps()) -> dict:
+    """The experiment flow's body; with ``Steps(plain=True)`` the same run without tasks of its
+    own (a cell of a stack: the stages are the plain loop's, the stack's flow trains them)."""
     t_start = time.perf_counter()
     cfg = validate(config)
     run_path = Path(run_dir)
     phases: dict[str, float] = {}
     with timed(phases, "partition"):
-        prep = tasks.partition(cfg, partitions_root)
+        prep = steps(tasks.partition, cfg, partitions_root)
     remote = dask_stage(prep, partitions_root) if cfg.executor.kind == "dask" else None
     with timed(phases, "restore"):
-        state, warnings = tasks.restore(Q(prep), run_dir)
+        state, warnings = steps(tasks.restore, Q(prep), run_dir)
     resumed_from = state.round
     with timed(phases, "tracker"):  # the MLflow run is created in the background (MLflow and the
         # store were loaded in the background since execute/run_experiment: prefetch)
@@ -111,12 +134,13 @@ def experiment_flow(config: dict, run_dir: str, partitions_root: str = "data/par
                           if isinstance(v, (int, float))}, [dict(h) for h in state.history])
     bar = Progress(cfg.train.rounds, state.round, cfg.name, bool(progress), json_out=progress == "stderr")
     clock = RoundClock(phases)
-    hooks = RoundHooks(cfg, run_dir, tracker, remote, bar, clock)
+    hooks = RoundHooks(cfg, run_dir, tracker, remote, bar, clock, steps)
     leased = wait_for_cores(run_path, phases)  # the rounds start once this run's cores are free
     try:
         with timed(phases, "drive"):
             clock.start()
-            state = rounds.drive(prep, state, task_stages(remote), on_pre_federation=hooks.after_pre_federation,
+            stages = rounds.PLAIN if steps.plain else task_stages(remote)
+            state = rounds.drive(prep, state, stages, on_pre_federation=hooks.after_pre_federation,
                                  on_round=hooks.after_round, on_cycle=hooks.after_cycle)
         bar.close()
         # a resume of a run that had already finished must not register its models again
@@ -184,22 +208,14 @@ def run_experiment(cfg: ExperimentConfig, run_dir: Path, partitions_root: str, t
     return settle(summary) if wait else summary
 
 
-def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str], partitions_root: str, fresh: bool,
-            progress: Union[bool, str] = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
-            run_tags: Optional[dict] = None, run_name: Optional[str] = None, wait: bool = True) -> dict:
-    """Run or resume ``cfg`` in ``run_dir``: what ``flockfl run``, ``flockfl resume``, a sweep's
-    child and a scheduled run all do. A fresh run first builds its partition (before the flow:
-    data errors are one line) and writes run.json; the metrics also go to ``metrics_file``
-    (for DVC) when given here or in run.json. ``wait``: see :func:`run_experiment`."""
+def open_run_dir(cfg: ExperimentConfig, run_dir: Path, uri: str, partitions_root: str, fresh: bool,
+                 metrics_file: Optional[str] = None) -> dict:
+    """run.json of the run in ``run_dir`` (a fresh run first builds its partition, before any flow:
+    data errors are one line, and writes it)."""
     import datetime as dt
-    import json
 
     from flockfl.data.store import build_partition
-    from flows.tracking.store import resolve_tracking_uri
 
-    uri = resolve_tracking_uri(tracking_uri, cfg.tracking.uri)
-    if cfg.tracking.enabled:
-        prefetch(uri)  # MLflow imports and opens its store while the partition builds
     info = read_run_file(run_dir)
     if fresh or "config" not in info:
         build_partition(cfg, partitions_root)
@@ -207,6 +223,24 @@ def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str]
         info.update({"config": cfg.model_dump(), "tracking_uri": uri, "partitions_root": str(Path(partitions_root).resolve()),
                      "metrics_file": metrics_file, "created": dt.datetime.now().isoformat()})
         write_run_file(run_dir, info)
+    return info
+
+
+def execute(cfg: ExperimentConfig, run_dir: Path, *, tracking_uri: Optional[str], partitions_root: str, fresh: bool,
+            progress: Union[bool, str] = True, metrics_file: Optional[str] = None, parent_run_id: Optional[str] = None,
+            run_tags: Optional[dict] = None, run_name: Optional[str] = None, wait: bool = True) -> dict:
+    """Run or resume ``cfg`` in ``run_dir``: what ``flockfl run``, ``flockfl resume``, a sweep's
+    child and a scheduled run all do. A fresh run first builds its partition (before the flow:
+    data errors are one line) and writes run.json; the metrics also go to ``metrics_file``
+    (for DVC) when given here or in run.json. ``wait``: see :func:`run_experiment`."""
+    import json
+
+    from flows.tracking.store import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri, cfg.tracking.uri)
+    if cfg.tracking.enabled:
+        prefetch(uri)  # MLflow imports and opens its store while the partition builds
+    info = open_run_dir(cfg, run_dir, uri, partitions_root, fresh, metrics_file)
     request_cores(cfg, run_dir)  # in line for the cores while Prefect, the data and the model set up
     try:
         summary = run_experiment(cfg, run_dir, info.get("partitions_root", partitions_root), uri, progress=progress,

@@ -65,7 +65,10 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every cell (the output says so)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their configs; run nothing")
-    p.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at a time (threads sharing the cores)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="runs at a time (threads sharing the cores; not stacked)")
+    p.add_argument("--no-stack", action="store_true",
+                   help="run the cells one by one (default: up to 8 train together, one vectorised pass for all)")
     p.add_argument("--out", help="the table's folder (default runs/repro/<table>-<budget>[-<overrides digest>]"
                                  "[-part-<digest of the --rows/--columns chosen>])")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
@@ -130,7 +133,7 @@ def cmd_repro(args) -> int:
             print(f"- {child.key}: {' '.join(child.overrides)}")
         print(f"\ndata: {missing}" if missing else "\ndata: every cell's dataset is there")
         return 0
-    from flows.sweep_run import run_sweep
+    from flows.sweep_run import STACK_SIZE, run_sweep
 
     lock, estimated = threading.Lock(), []
 
@@ -146,7 +149,8 @@ def cmd_repro(args) -> int:
 
     result = run_sweep(plan.sweep, plan.out / "runs", args.tracking_uri, args.partitions, args.parallel,
                        f"repro {args.table} ({plan.budget})", experiment=f"repro-{args.table}",
-                       progress=not args.no_progress and args.parallel == 1, on_finished=on_finished)
+                       progress=not args.no_progress and args.parallel == 1, on_finished=on_finished,
+                       stack=0 if args.no_stack else STACK_SIZE)
     text, data = render(plan)
     notes = "\n".join(f"- {n}" for n in t.notes)
     within = "; ".join(f"{v['within']} of {v['of']} cells within ±{v['points']:g} points of {s}"

@@ -30,7 +30,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="seeds (default: the config's seed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every run")
-    p.add_argument("--parallel", type=int, default=1, metavar="N", help="runs at a time (threads sharing the cores)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="runs at a time (threads sharing the cores; not stacked)")
+    p.add_argument("--no-stack", action="store_true",
+                   help="run the cells one by one (default: up to 8 train together, one vectorised pass for all)")
     p.add_argument("--sweep-dir", help="the sweep's directory (default runs/sweep-<experiment>-<digest>)")
     p.add_argument("--name", help="the MLflow parent run's name (default sweep-<experiment>-<digest>)")
     p.add_argument("--register-models", action="store_true",
@@ -51,11 +54,11 @@ def cmd_sweep(args) -> int:
     if args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: give a positive number of runs at a time")
     plan = plan_sweep(args.config, parse_grid(args.grid), args.seeds, args.overrides, args.params)
-    from flows.sweep_run import run_sweep, sweep_summary  # Prefect, MLflow and torch load once the plan is valid
+    from flows.sweep_run import STACK_SIZE, run_sweep, sweep_summary  # Prefect, MLflow and torch load once the plan is valid
 
     result = run_sweep(plan, Path(args.sweep_dir) if args.sweep_dir else None, args.tracking_uri, args.partitions,
                        args.parallel, args.name, register_models=args.register_models,
-                       progress=not args.no_progress and args.parallel == 1)
+                       progress=not args.no_progress and args.parallel == 1, stack=0 if args.no_stack else STACK_SIZE)
     summary = sweep_summary(result)
     base = plan.base
     print(f"\n{base.name}: {len(plan.children)} runs ({len(summary['combinations'])} combinations × "

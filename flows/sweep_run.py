@@ -32,6 +32,7 @@ from flows.tracking.store import resolve_tracking_uri
 from flows.tracking.tracker import Tracker
 
 SWEEP_FILE = "sweep.json"
+STACK_SIZE = 8  # cells trained together at most (each holds its data and models while the stack runs)
 
 
 @dataclass
@@ -51,10 +52,12 @@ class SweepResult:
 def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Optional[str] = None,
               partitions_root: str = "data/partitions", parallel: int = 1, parent_name: Optional[str] = None,
               experiment: Optional[str] = None, register_models: bool = False, progress: bool = False,
-              log=lambda msg: print(msg, file=sys.stderr, flush=True), on_finished=None) -> SweepResult:
+              log=lambda msg: print(msg, file=sys.stderr, flush=True), on_finished=None,
+              stack: int = STACK_SIZE) -> SweepResult:
     """Run (or continue) every child of ``plan`` in this process; see flows/sweep.py's docstring.
     ``on_finished(child)`` is called, from the thread that settled it, as each child this call
-    runs finishes (``flockfl repro``'s time estimate)."""
+    runs finishes (``flockfl repro``'s time estimate). ``stack``: children trained together, up to
+    this many at a time (flows/stack.py; with ``parallel`` 1 only); 0 runs them one by one."""
     t0 = time.perf_counter()
     base = plan.base
     name = f"sweep-{base.name}-{plan.digest[:10]}"
@@ -77,7 +80,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
             f"{sum(c.resumed for c in todo)} resume from checkpoints")
     else:
         log(f"sweep: {len(plan.children)} runs in {sweep_dir}" + (f", MLflow parent run {parent.run_id}" if parent else ""))
-    sweep.run(todo, parallel)
+    sweep.run(todo, parallel, stack if parallel == 1 else 0)
     result = SweepResult(plan, sweep_dir, parent.run_id if parent else None, uri, time.perf_counter() - t0, continued)
     if parent:
         _close_parent(parent, result)
@@ -93,13 +96,19 @@ def sweep_summary(result: SweepResult) -> dict:
         "digest": result.plan.digest, "runs": len(children), "finished": len(done), "failed": len(result.failed),
         "continued": result.continued, "wall_s": result.wall_s,
         # what a run costs beyond its rounds inside the sweep (flow start, tracking, partition, models, plots)
-        "fixed_s_per_run_median": (statistics.median([s["sweep_wall_s"] - s["rounds_wall_s"] for s in fresh])
-                                   if fresh else None),
+        "fixed_s_per_run_median": (statistics.median([_fixed(s) for s in fresh]) if fresh else None),
         "combinations": aggregate(result.plan),
         "children": {c.key: {"label": c.label, "seed": c.seed, "status": c.status, "error": c.error,
                              "run_dir": str(c.run_dir), "run_id": (c.summary or {}).get("run_id"),
                              "state_sha256": (c.summary or {}).get("state_sha256")} for c in children},
     }
+
+
+def _fixed(summary: dict) -> float:
+    """A run's time outside its rounds; a stacked cell's share of its stack's (the stack's wall time
+    less its cells' rounds, which interleave: the longest of them)."""
+    stack = summary.get("stack")
+    return stack["fixed_s_per_cell"] if stack else summary["sweep_wall_s"] - summary["rounds_wall_s"]
 
 
 def _state(sweep_dir: Path, plan: Plan) -> dict:
@@ -225,8 +234,9 @@ class _Sweep:
         if self.on_finished:
             self.on_finished(child)
 
-    def run(self, todo: list[Child], parallel: int) -> None:
-        """Run ``todo``: ``parallel`` at a time, sharing the cores, else one after another
+    def run(self, todo: list[Child], parallel: int, stack: int = 0) -> None:
+        """Run ``todo``: in stacks of up to ``stack`` cells trained together (:meth:`stacked`),
+        ``parallel`` at a time, sharing the cores, else one after another
         (:meth:`one_after_another`). A Ctrl-C is noted: it stops the sweep rather than failing
         the run it cut; whatever stops the sweep marks the parent run KILLED."""
         cap = None
@@ -236,7 +246,9 @@ class _Sweep:
         guard = watch()  # a Ctrl-C is noted: it stops the sweep rather than failing the run it cut
         guard.__enter__()
         try:
-            if parallel > 1 and len(todo) > 1:
+            if stack > 1 and len(todo) > 1:
+                self.stacked(todo, stack)
+            elif parallel > 1 and len(todo) > 1:
                 with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="flockfl-sweep") as pool:
                     list(pool.map(lambda c: self.settle_child(self.run_child(c)), todo))
             else:
@@ -249,6 +261,48 @@ class _Sweep:
             guard.__exit__(None, None, None)
             if cap:
                 os.environ.pop("FLOCKFL_MAX_THREADS", None)
+
+    def stacked(self, todo: list[Child], size: int) -> None:
+        """The children that can be cells (flows/stack.py), ``size`` at a time, each stack one flow
+        whose cells train together; then the others one after another. A cell's share of its
+        stack's wall time is its ``sweep_wall_s``."""
+        from flows.stack import Cell, run_stack, stackable
+
+        cells = [c for c in todo if stackable(c.cfg)]
+        for a in range(0, len(cells), size):
+            chunk = cells[a:a + size]
+            if sigint_seen():
+                raise KeyboardInterrupt(f"sweep interrupted before {chunk[0].key}")
+            runs = [Cell(c.cfg, c.run_dir, f"{self.plan.base.name} {c.key}",
+                         {**self.tags, "flockfl.sweep.combo": c.label, "flockfl.seed": str(c.seed)}) for c in chunk]
+            try:
+                info = run_stack(runs, self.partitions_root, self.uri, self.parent.run_id if self.parent else None,
+                                 fresh=[not list_checkpoints(c.run_dir) for c in chunk])
+            except Exception as err:
+                if interrupted(err):
+                    raise KeyboardInterrupt(f"sweep interrupted during the stack of {chunk[0].key}") from err
+                for c in chunk:
+                    self.fail(c, err)
+                continue
+            stopped = None
+            rounds = max((r.summary["rounds_wall_s"] for r in runs if r.summary), default=0.0)
+            for child, run in zip(chunk, runs):
+                if run.error is not None:
+                    if interrupted(run.error):
+                        stopped = run.error
+                        continue
+                    self.fail(child, run.error if isinstance(run.error, Exception) else RuntimeError(str(run.error)))
+                    continue
+                child.summary = run.summary
+                child.summary["sweep_wall_s"] = info["wall_s"] / len(chunk)
+                child.summary["stack"] = {"cells": len(chunk), "passes": info["passes"], "calls": info["calls"],
+                                          "wall_s": info["wall_s"], "fixed_s_per_cell": (info["wall_s"] - rounds) / len(chunk)}
+            for child in chunk:
+                if child.summary is not None and child.status != "failed":
+                    self.settle_child(child)
+            if stopped is not None:
+                raise KeyboardInterrupt("sweep interrupted during a stack") from stopped
+        self.one_after_another([c for c in todo if not stackable(c.cfg)])
 
     def one_after_another(self, todo: list[Child]) -> None:
         """Each run's models export while the next run starts (at most one run closing at a
@@ -286,7 +340,7 @@ def _slim(summary: dict) -> dict:
     """What sweep.json keeps of a run's summary (enough for the table and the report)."""
     keys = ("run_id", "run_dir", "rounds", "resumed_from_round", "metrics", "state_sha256", "wall_s", "rounds_wall_s",
             "round_s_median", "sweep_wall_s", "phases_s", "bytes_total", "clients_dropped", "rounds_to_target", "sim_time_to_target",
-            "protocol")
+            "protocol", "stack")
     return {k: summary.get(k) for k in keys if k in summary}
 
 

@@ -160,3 +160,13 @@ def log_metrics(tracker, rows: list[dict]) -> None:
     """Queue the rounds' metrics (a BackgroundTracker logs them off the round's path; rows it
     already holds are skipped)."""
     tracker.log_rounds([dict(row) for row in rows])
+
+
+@task(name="train_stack", **_quiet)
+@timed
+def train_stack(calls: list) -> int:
+    """The waiting passes of a stack's cells, trained together where they can share a pass
+    (:func:`flockfl.engine.stacking.train_calls`); returns how many passes it took."""
+    from flockfl.engine.stacking import train_calls
+
+    return train_calls(calls)

@@ -137,10 +137,11 @@ def _wait_for(pred, timeout: float, proc=None) -> None:
 
 
 def test_killed_sweep_resumes_from_checkpoints(project):
-    """SIGKILL the sweep during its second run, once the first is finished (its models exported
+    """Runs one by one (``--no-stack``): SIGKILL the sweep during its second run, once the first is finished (its models exported
     while the second started); the same command again keeps the first run as it was and resumes
     the second from its checkpoint, bit-identical to an uninterrupted run."""
-    cmd = ["sweep", "mid.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/killed", "--tracking-uri", uri(project), "--json"]
+    cmd = ["sweep", "mid.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/killed", "--tracking-uri", uri(project), "--json",
+           "--no-stack"]
     second = project / "runs/killed/base-seed1/checkpoints"
 
     def first_finished() -> bool:
@@ -185,6 +186,42 @@ def test_killed_sweep_resumes_from_checkpoints(project):
                      "--tracking-uri", uri(project)], project)
     assert ref.returncode == 0, ref.stderr
     assert last_json(ref.stdout)["state_sha256"] == s["children"]["base seed=1"]["state_sha256"]
+
+
+def test_killed_stacked_sweep_resumes_every_cell_bit_for_bit(project):
+    """The default: the two seeds train together as cells of one stack (flows/stack.py). SIGKILL the
+    sweep once both cells have checkpoints and neither has finished; the same command again resumes
+    both from their own checkpoints into their MLflow runs, and each ends in the state of the same
+    run alone (``flockfl run``)."""
+    cmd = ["sweep", "mid.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/stack-killed", "--tracking-uri", uri(project),
+           "--json"]
+    ckpts = [project / f"runs/stack-killed/base-seed{i}/checkpoints" for i in (0, 1)]
+    with tempfile.TemporaryFile("w+") as out:
+        proc = _popen_flock(cmd, project, out)
+        try:
+            _wait_for(lambda: all(len(list(c.glob("ckpt-*.pt"))) >= 3 for c in ckpts), 240, proc)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    state = json.loads((project / "runs/stack-killed/sweep.json").read_text())
+    assert all(r["status"] == "pending" for r in state["runs"].values())
+    res = run_flock(cmd, project)
+    assert res.returncode == 0, res.stderr
+    s = last_json(res.stdout)
+    assert s["continued"] and s["finished"] == 2 and "0 of 2 runs finished, 2 resume from checkpoints" in res.stderr
+    runs = json.loads((project / "runs/stack-killed/sweep.json").read_text())["runs"]
+    for seed in (0, 1):
+        summary = runs[f"base seed={seed}"]["summary"]
+        assert summary["resumed_from_round"] >= 2 and summary["stack"]["cells"] == 2
+        assert summary["stack"]["passes"] < summary["stack"]["calls"]  # the cells shared their passes
+        ref = run_flock(["run", "mid.yaml", "--set", f"seed={seed}", "--run-dir", f"runs/stack-ref{seed}", "--json",
+                         "--tracking-uri", uri(project)], project)
+        assert ref.returncode == 0, ref.stderr
+        assert last_json(ref.stdout)["state_sha256"] == s["children"][f"base seed={seed}"]["state_sha256"]
 
 
 def test_sigkilled_flock_run_leaves_no_process(project):

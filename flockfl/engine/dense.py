@@ -51,24 +51,41 @@ def _shared(t: torch.Tensor) -> bool:
 
 
 class _Layer:
-    """One Linear layer of the cohort: weight = base − η·Dᵀ·A (factors only in low-rank mode)."""
+    """One Linear layer of the cohort: weight = base − η·Dᵀ·A (factors only in low-rank mode).
+    ``segments`` (cells trained together, :mod:`flockfl.engine.stacking`): slices of the client
+    axis, each with its own shared start; each segment's shared GEMM is the one it would run alone."""
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rank: int, batch: int, lr: float):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rank: int, batch: int, lr: float,
+                 segments: Optional[list[slice]] = None):
         c, out, inp = weight.shape
         self.lr = lr
         self.bias = None if bias is None else bias.clone(memory_format=torch.contiguous_format)
-        self.lowrank = _shared(weight) and max_rank >= batch
+        self.segments = segments or [slice(0, c)]
+        self.lowrank = (segments is not None or _shared(weight)) and max_rank >= batch
         if self.lowrank:
-            self.base = weight[0]  # [out, in], shared by every client
+            self.bases = [weight[seg.start] for seg in self.segments]  # [out, in] each, shared by its segment
             self.A = weight.new_empty(c, max_rank, inp)
             self.D = weight.new_empty(c, max_rank, out)
             self.rank = 0
         else:
             self.base = weight.clone(memory_format=torch.contiguous_format)  # [C, out, in]
 
+    def _shared_gemm(self, a: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """a·baseᵀ (forward) or a·base (input gradient), each segment with its own base."""
+        def one(part, base):
+            return (part.reshape(-1, part.shape[-1]) @ (base.T if transpose else base)).reshape(
+                part.shape[0], part.shape[1], -1)
+
+        if len(self.segments) == 1:
+            return one(a, self.bases[0])
+        out = a.new_empty(a.shape[0], a.shape[1], self.bases[0].shape[0 if transpose else 1])
+        for seg, base in zip(self.segments, self.bases):
+            out[seg] = one(a[seg], base)
+        return out
+
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         if self.lowrank:
-            z = (a.reshape(-1, a.shape[-1]) @ self.base.T).reshape(a.shape[0], a.shape[1], -1)
+            z = self._shared_gemm(a, True)
             if self.rank:
                 gram = torch.bmm(a, self.A[:, : self.rank].transpose(1, 2))  # [C, B, R]
                 z.baddbmm_(gram, self.D[:, : self.rank], alpha=-self.lr)
@@ -81,7 +98,7 @@ class _Layer:
     def backward_input(self, delta: torch.Tensor) -> torch.Tensor:
         """δ·W with the weight as it was at this step's forward pass."""
         if self.lowrank:
-            g = (delta.reshape(-1, delta.shape[-1]) @ self.base).reshape(delta.shape[0], delta.shape[1], -1)
+            g = self._shared_gemm(delta, False)
             if self.rank:
                 gram = torch.bmm(delta, self.D[:, : self.rank].transpose(1, 2))
                 g.baddbmm_(gram, self.A[:, : self.rank], alpha=-self.lr)
@@ -105,8 +122,7 @@ class _Layer:
 
     def to_dense(self) -> None:
         if self.lowrank:
-            c = self.A.shape[0]
-            w = self.base.expand(c, *self.base.shape).clone(memory_format=torch.contiguous_format)
+            w = torch.cat([base.expand(seg.stop - seg.start, *base.shape) for seg, base in zip(self.segments, self.bases)])
             if self.rank:
                 w.baddbmm_(self.D[:, : self.rank].transpose(1, 2), self.A[:, : self.rank], alpha=-self.lr)
             self.base, self.lowrank = w, False
@@ -120,13 +136,14 @@ class _Layer:
 class DenseCohort:
     """SGD for a cohort of dense stacks, one call to :meth:`step` per local step."""
 
-    def __init__(self, init: dict[str, torch.Tensor], layers: list[str], lr: float, batch: int):
+    def __init__(self, init: dict[str, torch.Tensor], layers: list[str], lr: float, batch: int,
+                 segments: Optional[list[slice]] = None):
         self.names = layers
         self.layers = []
         for name in layers:
             w = init[f"{name}.weight"]
             max_rank = (min(w.shape[1], w.shape[2]) // 2) // batch * batch
-            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank, batch, lr))
+            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank, batch, lr, segments))
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str) -> torch.Tensor:

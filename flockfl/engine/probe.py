@@ -45,6 +45,13 @@ def choose_engine(model: nn.Module, spec: LocalSpec, data: Split, task: str, see
     part moved a 100-step estimate by ±0.5 s and picked the slower trainer for ``cnn_bn`` in one
     run of two. The probes' results are discarded and they draw from their own RNG purpose.
     """
+    from flockfl.engine.stacking import alone
+
+    with alone():  # a cell of a stack times its own cohort
+        return _choose(model, spec, data, task, seed)
+
+
+def _choose(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed: int) -> tuple[str, dict]:
     probe_round = 2**31 - 2  # a round index no real run reaches, so the probe draws its own data orders
     n = len(spec.clients)
     few = min(3, n)

@@ -73,6 +73,9 @@ class LocalSpec:
     # additive gradient terms: μ(w − anchor) (FedProx) and a per-client constant (SCAFFOLD's c − c_i)
     prox_mu: float | dict[str, float] = 0.0  # a dict gives each parameter its own μ (FedAC: μ + λ on the embedding)
     prox_anchor: Optional[dict[str, torch.Tensor]] = None  # stacked; default: the initial params
+    # each client's own μ per parameter ([clients] rows, overriding ``prox_mu``): cells of a stack whose
+    # μ differ (FedAvg's 0 beside FedProx's μ; flockfl.engine.stacking), read by the vectorised trainer
+    client_mu: Optional[dict[str, torch.Tensor]] = None
     correction: Optional[dict[str, torch.Tensor]] = None  # stacked per client
     momentum: float = 0.0  # local heavy-ball momentum ρ (buf ← ρ·buf + g), reset every round unless ``momentum_init``
     # stacked per client: the momentum buffer each client's pass starts from (``train.optimizer_state=persist``: the
@@ -120,6 +123,8 @@ class LocalSpec:
 
     @property
     def has_prox(self) -> bool:
+        if self.client_mu is not None:
+            return True
         return any(self.prox_mu.values()) if isinstance(self.prox_mu, dict) else bool(self.prox_mu)
 
     def mu_of(self, name: str) -> float:
@@ -212,6 +217,7 @@ def restrict(spec: LocalSpec, positions) -> LocalSpec:
 
     return dataclasses.replace(
         spec, clients=spec.clients[positions], init=rows(spec.init), prox_anchor=rows(spec.prox_anchor),
+        client_mu=rows(spec.client_mu),
         correction=rows(spec.correction), momentum_init=rows(spec.momentum_init),
         client_epochs=per_client(spec.client_epochs), client_steps=per_client(spec.client_steps),
         meta={k: per_client(v) for k, v in (spec.meta or {}).items()},

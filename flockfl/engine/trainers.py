@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,6 +23,10 @@ from flockfl.engine.data import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
+
+
+# the stack cell (flockfl.engine.stacking) this thread runs, if any: its passes go to the stack
+CELL = threading.local()
 
 
 @dataclass
@@ -183,9 +188,19 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     """
     if spec.solver is not None:
         return solved(model, spec, data, task, vectorized=True)
+    cell = getattr(CELL, "member", None)
+    if cell is not None:  # a cell of a stack: its cohort trains with the other cells' (flockfl.engine.stacking)
+        return cell.train(model, spec, data, task, seed, round, method)
     sched = stack_schedule(cohort_schedule(spec, data.sizes, seed, round), data.offsets, spec.clients)
+    return cohort_pass(model, spec, data, task, sched, spec.step_rates(round, sched.steps), method)
+
+
+def cohort_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, rates: list[float],
+                method: str = "auto", segments: list[slice] | None = None) -> TrainResult:
+    """:func:`train_cohort`'s pass over a stacked schedule ``sched`` with step rates ``rates``.
+    ``segments``: where the cohort is the cohorts of several cells (:mod:`flockfl.engine.stacking`),
+    their slices of the client axis; a dense stack keeps a shared start per segment."""
     device = data.x.device
-    rates = spec.step_rates(round, sched.steps)  # step s's rate, the same for every client still stepping
     # the dense trainer takes plain SGD steps with one η for the whole pass
     plain = not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
     layers = dense_layers(model) if method in ("auto", "dense") and plain else None
@@ -200,7 +215,7 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     if layers is not None:
         # keep broadcast inits broadcast (a shared start enables the low-rank layers)
         init = {k: (v[:1].to(device).expand_as(v) if v.stride(0) == 0 else v.to(device)) for k, v in spec.init.items()}
-        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2])
+        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2], segments)
         for s in range(sched.steps):
             total += cohort.step(data.x[index[s]], data.y[index[s]], weight[s], task)
         params = cohort.params()
@@ -278,6 +293,8 @@ class _GradientTerms:
         self.spec = spec
         self.any = spec.has_extras
         self.anchor = {k: v.to(device) for k, v in (spec.prox_anchor or spec.init).items()} if spec.has_prox else None
+        self.mu = None if spec.client_mu is None else {
+            k: v.to(device, params[k].dtype).reshape(-1, *([1] * (params[k].dim() - 1))) for k, v in spec.client_mu.items()}
         self.corr = {k: v.to(device) for k, v in spec.correction.items()} if spec.correction is not None else None
         self.buf = {k: torch.zeros_like(v) for k, v in params.items()} if spec.momentum else None
         if self.buf is not None and spec.momentum_init is not None:  # persist: each client's buffer from its last round
@@ -294,7 +311,9 @@ class _GradientTerms:
             gk = _owned(gk)
             if self.spec.weight_decay:
                 gk.add_(self.spec.weight_decay * params[k])
-            if self.anchor is not None and self.spec.mu_of(k):
+            if self.anchor is not None and self.mu is not None and k in self.mu:  # each client its own μ (stacked cells)
+                gk.add_(torch.sub(params[k], self.anchor[k]).mul_(self.mu[k]))
+            elif self.anchor is not None and self.spec.mu_of(k):
                 gk.add_(torch.sub(params[k], self.anchor[k]).mul_(self.spec.mu_of(k)))
             if self.corr is not None and not self.after:
                 gk.add_(self.corr[k])
