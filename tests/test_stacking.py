@@ -100,9 +100,19 @@ def share_key_of(cell):
     return share_key(call)
 
 
-def test_convolutional_cells_equal_their_passes_alone_to_rounding():
+def test_convolutional_cells_train_alone_on_the_cpu_and_merged_equal_to_rounding(monkeypatch):
+    """On the CPU each convolutional cell trains its own pass (bit for bit); merged (as on a GPU:
+    MERGE_CONVOLUTIONS) they equal their passes alone to float rounding."""
+    from flockfl.engine import stacking
+
     cells = [_cell(j, [6, 9, 4], "ifca", model_name="lenet5") for j in range(3)]
-    alone, stacked, _ = _alone_and_stacked(cells)
+    alone, stacked, st = _alone_and_stacked(cells)
+    assert st.passes == st.calls == 3
+    for a, s in zip(alone, stacked):
+        _identical(a[0], s[0])
+    monkeypatch.setitem(stacking.MERGE_CONVOLUTIONS, "cpu", True)
+    alone, stacked, st = _alone_and_stacked(cells)
+    assert st.passes == 1
     for a, s in zip(alone, stacked):
         for k in a[0].params:
             torch.testing.assert_close(s[0].params[k], a[0].params[k], rtol=1e-5, atol=1e-6)

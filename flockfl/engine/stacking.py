@@ -16,7 +16,9 @@ its neighbours on the client axis: dense stacks (MLP, MCLR, linear models; each 
 start keeps its own low-rank GEMM) and the per-client batched matrix products of every model;
 per-client μ (FedAvg beside FedProx), a zero correction (beside SCAFFOLD) and per-client step
 counts (FedNova) add exact zeros. A grouped convolution's bits depend on how many clients share
-it (as they do on a shard's size), so a CNN cell equals its pass alone to float rounding.
+it (as they do on a shard's size): convolutional cells share a pass only where
+:data:`MERGE_CONVOLUTIONS` says (on a GPU, not on the CPU), and then equal their passes alone to
+float rounding.
 """
 
 from __future__ import annotations
@@ -163,12 +165,22 @@ class Stack:
 # ---------------------------------------------------------------------- merging passes
 
 
+# Whether passes of convolutional models share one grouped convolution, by device type. On the CPU
+# they do not: the convolutions are compute-bound there (NIID-Bench's LeNet-5, 8 cells of 10 clients,
+# 2 rounds: 126.0 s stacked against 127.0 s one by one) and a grouped convolution's bits depend on
+# its group count, so merging would only trade each cell's exact result for rounding (about a point
+# of accuracy after 2 rounds of 94 steps). On a GPU, where a step is launch-bound, they do.
+MERGE_CONVOLUTIONS = {"cpu": False}
+
+
 def share_key(call: Call) -> Optional[tuple]:
     """What passes must have in common to train as one cohort (None: this pass trains alone)."""
     s = call.spec
     if s.solver is not None or len(s.clients) == 0 or call.method not in ("auto", "dense", "stacked", "func"):
         return None
     model = call.model
+    if not MERGE_CONVOLUTIONS.get(call.data.x.device.type, True) and _convolutional(model):
+        return None
     shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in model.named_parameters())
     width = max((len(b) for bs in call.batches for b in bs), default=0)
     sched = (s.lr_schedule, s.lr, call.round if s.lr_schedule.kind == "step" else None)
@@ -176,6 +188,10 @@ def share_key(call: Call) -> Optional[tuple]:
               s.momentum_init is not None, tuple(sorted(s.prox_mu.items())) if isinstance(s.prox_mu, dict) else None)
     return (type(model), repr(model), shapes, getattr(model, "conv_layout", None), call.task, str(call.data.x.device),
             call.data.x.dtype, tuple(call.data.x.shape[1:]), call.method, width, sched, extras, _plain(s))
+
+
+def _convolutional(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
 
 
 def _plain(spec: LocalSpec) -> bool:
