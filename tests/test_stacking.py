@@ -179,3 +179,19 @@ def test_a_stacked_run_ends_in_the_state_of_the_run_alone(names, tmp_path):
     assert [v for v, _ in out] == alone
     assert st.passes < st.calls  # cells shared passes
     assert len(set(alone)) == len(alone)
+
+
+def test_cells_with_a_shared_body_and_personal_heads_keep_their_low_rank_layers():
+    """A start broadcast for some layers only (a shared body, per-client heads: FedPer, LG-FedAvg):
+    the broadcast layers stay low-rank per cell, as alone, and the result is each cell's bits."""
+    cells = []
+    for j, sizes in enumerate([[5, 17, 30], [9, 17, 3, 12]]):
+        m, d, s, seed = _cell(j, sizes, "ifca")
+        base = init_params(m, torch_generator(50 + j, purpose="init"))
+        init = {k: (base[k].unsqueeze(0).expand(len(sizes), *base[k].shape) if k.startswith("1.") else v)
+                for k, v in s.init.items()}
+        cells.append((m, d, LocalSpec(s.clients, init, 0.05, epochs=2, batch_size=4), seed))
+    alone, stacked, st = _alone_and_stacked(cells)
+    assert st.passes == 1
+    for a, s in zip(alone, stacked):
+        _identical(a[0], s[0])

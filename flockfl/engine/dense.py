@@ -56,12 +56,12 @@ class _Layer:
     axis, each with its own shared start; each segment's shared GEMM is the one it would run alone."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rank: int, batch: int, lr: float,
-                 segments: Optional[list[slice]] = None):
+                 segments: Optional[list[slice]] = None, shared: Optional[bool] = None):
         c, out, inp = weight.shape
         self.lr = lr
         self.bias = None if bias is None else bias.clone(memory_format=torch.contiguous_format)
         self.segments = segments or [slice(0, c)]
-        self.lowrank = (segments is not None or _shared(weight)) and max_rank >= batch
+        self.lowrank = (_shared(weight) if shared is None else shared) and max_rank >= batch
         if self.lowrank:
             self.bases = [weight[seg.start] for seg in self.segments]  # [out, in] each, shared by its segment
             self.A = weight.new_empty(c, max_rank, inp)
@@ -137,13 +137,16 @@ class DenseCohort:
     """SGD for a cohort of dense stacks, one call to :meth:`step` per local step."""
 
     def __init__(self, init: dict[str, torch.Tensor], layers: list[str], lr: float, batch: int,
-                 segments: Optional[list[slice]] = None):
+                 segments: Optional[tuple[list[slice], set[str]]] = None):
+        """``segments``: (the cells' slices of the client axis, the entries each starts shared)
+        where the cohort is several cells' (:mod:`flockfl.engine.stacking`)."""
         self.names = layers
         self.layers = []
         for name in layers:
             w = init[f"{name}.weight"]
             max_rank = (min(w.shape[1], w.shape[2]) // 2) // batch * batch
-            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank, batch, lr, segments))
+            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank, batch, lr, *(
+                (segments[0], f"{name}.weight" in segments[1]) if segments else ())))
 
     @torch.no_grad()
     def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str) -> torch.Tensor:

@@ -131,6 +131,8 @@ class Stack:
             for t in threads:
                 t.join(timeout=60)
             raise
+        finally:
+            _DATA.clear()  # the merged data is the stack's: its cells' data is freed with them
         for t in threads:
             t.join()
         return out
@@ -186,8 +188,13 @@ def share_key(call: Call) -> Optional[tuple]:
     sched = (s.lr_schedule, s.lr, call.round if s.lr_schedule.kind == "step" else None)
     extras = (s.momentum, s.weight_decay, s.correction_after_momentum, s.masks is not None, s.snapshot_steps is not None,
               s.momentum_init is not None, tuple(sorted(s.prox_mu.items())) if isinstance(s.prox_mu, dict) else None)
+    shared = tuple(k for k, v in s.init.items() if _shared(v))  # starts one value for every client (low-rank layers)
     return (type(model), repr(model), shapes, getattr(model, "conv_layout", None), call.task, str(call.data.x.device),
-            call.data.x.dtype, tuple(call.data.x.shape[1:]), call.method, width, sched, extras, _plain(s))
+            call.data.x.dtype, tuple(call.data.x.shape[1:]), call.method, width, sched, extras, _plain(s), shared)
+
+
+def _shared(v: torch.Tensor) -> bool:
+    return v.dim() > 0 and v.shape[0] > 0 and v.stride(0) == 0
 
 
 def _convolutional(model: torch.nn.Module) -> bool:
@@ -241,7 +248,7 @@ def merged_data(splits: list[Split]) -> Split:
     sizes = np.concatenate([s.sizes for s in splits])
     merged = Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]),
                    np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64))
-    if len(_DATA) > 8:
+    if len(_DATA) >= 2:  # a stack's cells keep their data objects: more only under a distribution shift
         _DATA.clear()
     _DATA[key] = (list(splits), merged)
     return merged
@@ -273,7 +280,7 @@ def _merged(calls: list[Call]) -> None:
     rates = first.spec.step_rates(first.round, sched.steps)
     bounds = np.cumsum([0] + [len(c.spec.clients) for c in calls])
     segments = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    shared = all(v.stride(0) == 0 for c in calls for v in c.spec.init.values() if v.dim() > 1)
+    shared = {k for k, v in first.spec.init.items() if _shared(v)}  # the same in every call (the share key)
     init = {k: torch.cat([c.spec.init[k] for c in calls]) for k in first.spec.init}
     client_mu = None
     if not isinstance(first.spec.prox_mu, dict) and len({float(c.spec.prox_mu) for c in calls}) > 1:
@@ -292,8 +299,7 @@ def _merged(calls: list[Call]) -> None:
         snapshot_steps=(None if first.spec.snapshot_steps is None
                         else np.concatenate([np.asarray(c.spec.snapshot_steps) for c in calls])),
         client_epochs=None, client_steps=None, order=None, pacing=None, meta=None, second=None)
-    result = cohort_pass(first.model, spec, data, first.task, sched, rates, first.method,
-                         segments if shared and _plain(first.spec) else None)
+    result = cohort_pass(first.model, spec, data, first.task, sched, rates, first.method, (segments, shared))
     for j, c in enumerate(calls):
         seg = segments[j]
         meta = {k: ({n: t[seg] for n, t in v.items()} if isinstance(v, dict) else v[seg]) for k, v in result.meta.items()

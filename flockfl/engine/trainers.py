@@ -196,10 +196,11 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
 
 
 def cohort_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, rates: list[float],
-                method: str = "auto", segments: list[slice] | None = None) -> TrainResult:
+                method: str = "auto", segments: tuple[list[slice], set[str]] | None = None) -> TrainResult:
     """:func:`train_cohort`'s pass over a stacked schedule ``sched`` with step rates ``rates``.
     ``segments``: where the cohort is the cohorts of several cells (:mod:`flockfl.engine.stacking`),
-    their slices of the client axis; a dense stack keeps a shared start per segment."""
+    their slices of the client axis and the entries each cell's clients start from one value of
+    (a dense stack keeps that shared start per segment, as each cell alone would)."""
     device = data.x.device
     # the dense trainer takes plain SGD steps with one η for the whole pass
     plain = not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
