@@ -62,39 +62,6 @@ def _store_lock(db: Path) -> Path:
     return base / (hashlib.sha256(str(db.resolve()).encode()).hexdigest()[:32] + ".lock")
 
 
-_WAL: set[str] = set()  # the SQLite stores (resolved paths) whose connections get fast_sqlite's settings
-
-
-def fast_sqlite(db: Path) -> None:
-    """Every connection this process opens to the SQLite store ``db`` writes through a
-    write-ahead log, synced at checkpoints (``journal_mode=WAL``, ``synchronous=NORMAL``): a round's
-    metrics (one ``log_batch``) cost 12-16 ms instead of 26-31 ms, ten rounds in one batch 39 ms
-    instead of 190 ms (measured here), since a commit no longer waits for two fsyncs. Readers (the
-    MLflow UI) no longer block the writer. A crash of the process loses nothing committed; a power
-    cut may lose the last commits, never the database. WAL is a property of the file: other
-    processes (``mlflow ui``) then use it too. Not for a database on a network file system."""
-    from sqlalchemy import event
-    from sqlalchemy.engine import Engine
-
-    if not _WAL:
-        event.listen(Engine, "connect", _on_connect)
-    _WAL.add(os.path.realpath(db))
-
-
-def _on_connect(dbapi_conn, _record) -> None:
-    import sqlite3
-
-    if not isinstance(dbapi_conn, sqlite3.Connection):
-        return
-    cur = dbapi_conn.cursor()
-    try:
-        if any(row[2] and os.path.realpath(row[2]) in _WAL for row in cur.execute("PRAGMA database_list").fetchall()):
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA synchronous=NORMAL")
-    finally:
-        cur.close()
-
-
 def open_store(uri: str):
     """An ``MlflowClient`` on ``uri``, whose store exists when this returns.
 
@@ -107,8 +74,6 @@ def open_store(uri: str):
     from mlflow.tracking import MlflowClient
 
     db = sqlite_file(uri)
-    if db is not None:
-        fast_sqlite(db)
     with _READY_LOCK:
         if db is not None and not (uri in _READY and db.exists()):
             db.parent.mkdir(parents=True, exist_ok=True)
