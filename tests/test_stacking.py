@@ -195,3 +195,41 @@ def test_cells_with_a_shared_body_and_personal_heads_keep_their_low_rank_layers(
     assert st.passes == 1
     for a, s in zip(alone, stacked):
         _identical(a[0], s[0])
+
+
+def test_a_stop_never_lets_a_cell_go_on_without_its_pass(tmp_path):
+    """A Ctrl-C reaches the stack's coordinator while one cell runs and the others wait for their
+    turn or their pass: every cell stops at its next pass (none goes on with its pass's result
+    unaccounted or an empty one, which would drop its clients and checkpoint a round that never
+    trained), and resuming every cell from its checkpoints in a new stack ends in the states of
+    the runs alone."""
+    import os
+    import signal
+
+    from flockfl.rounds import PLAIN, drive, prepare, run_rounds
+    from flockfl.state import load_latest, save_checkpoint
+
+    cfgs = _runs(["ifca", "fedavg", "ifca"], rounds=4)
+    full = [run_rounds(prepare(c, tmp_path / "p")).digest() for c in cfgs]
+    dirs = [tmp_path / f"cell{i}" for i in range(len(cfgs))]
+
+    def job(i, c, d, interrupt):
+        def after(s, row):
+            save_checkpoint(s, d)
+            if interrupt and i == 1 and s.round == 2:  # cell 2 waits for its turn, its round-2 pass done
+                os.kill(os.getpid(), signal.SIGINT)
+        state, _ = load_latest(d)
+        return drive(prepare(c, tmp_path / "p"), state, PLAIN, on_round=after).digest()
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # an xdist worker ignores SIGINT
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            Stack().run([lambda i=i, c=c, d=d: job(i, c, d, True) for i, (c, d) in enumerate(zip(cfgs, dirs))])
+    finally:
+        signal.signal(signal.SIGINT, before)
+    states = [load_latest(d)[0] for d in dirs]
+    assert [s.round for s in states] == [2, 2, 1]  # cell 2 stopped at its turn, before finishing round 2
+    for s in states:
+        assert all(row["clients_dropped"] == 0 for row in s.history)
+    out = Stack().run([lambda i=i, c=c, d=d: job(i, c, d, False) for i, (c, d) in enumerate(zip(cfgs, dirs))])
+    assert [v for v, _ in out] == full

@@ -106,6 +106,8 @@ class Stack:
             with self.cv:
                 self.cv.wait_for(lambda: self.turn == i or self.stopped)
             try:
+                if self.stopped:
+                    raise StackStopped("the stack stopped before this cell started")
                 out[i] = (job(), None)
             except BaseException as err:  # the cell's own failure is its result; the others go on
                 out[i] = (None, err)
@@ -159,6 +161,8 @@ class Stack:
             self.pending[i], self.state[i] = call, "waiting"
             self.cv.notify_all()
             self.cv.wait_for(lambda: (self.state[i] == "running" and self.turn == i) or self.stopped)
+        if self.stopped:  # whatever this pass would have been, the cell stops here: a round never goes on without it
+            raise call.error if isinstance(call.error, StackStopped) else StackStopped("the stack stopped")
         if call.error is not None:
             raise call.error
         return call.result
