@@ -22,7 +22,6 @@ from typing import Optional, Union
 
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
-from prefect.utilities.annotations import quote
 from prefect.utilities.annotations import quote as Q
 
 import tasks
@@ -57,7 +56,7 @@ class Steps:
     def __call__(self, task, *args):
         if not self.plain:
             return task(*args)
-        return task.fn(*[a.unquote() if isinstance(a, quote) else a for a in args])
+        return task.fn(*[a.unquote() if isinstance(a, Q) else a for a in args])
 
 
 class RoundHooks:
