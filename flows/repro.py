@@ -69,6 +69,8 @@ def add_parser(sub) -> None:
                    help="runs at a time (threads sharing the cores; not stacked)")
     p.add_argument("--no-stack", action="store_true",
                    help="run the cells one by one (default: up to 8 train together, one vectorised pass for all)")
+    p.add_argument("--stack-size", type=int, default=None, metavar="N",
+                   help="cells a stack at most (default 8; each holds its data and models while its stack runs)")
     p.add_argument("--out", help="the table's folder (default runs/repro/<table>-<budget>[-<overrides digest>]"
                                  "[-part-<digest of the --rows/--columns chosen>])")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
@@ -120,6 +122,8 @@ def cmd_repro(args) -> int:
         return 0
     if not args.table:
         raise UserError("name a table (flockfl repro TABLE) or list them (flockfl repro --list)")
+    if args.stack_size is not None and args.stack_size < 1:
+        raise UserError(f"--stack-size {args.stack_size}: give a positive number of cells a stack (1 runs them one by one)")
     plan = plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, args.overrides, args.params, args.out)
     t = plan.table
     missing = missing_data(plan)
@@ -150,7 +154,7 @@ def cmd_repro(args) -> int:
     result = run_sweep(plan.sweep, plan.out / "runs", args.tracking_uri, args.partitions, args.parallel,
                        f"repro {args.table} ({plan.budget})", experiment=f"repro-{args.table}",
                        progress=not args.no_progress and args.parallel == 1, on_finished=on_finished,
-                       stack=0 if args.no_stack else STACK_SIZE)
+                       stack=0 if args.no_stack else (args.stack_size or STACK_SIZE))
     text, data = render(plan)
     notes = "\n".join(f"- {n}" for n in t.notes)
     within = "; ".join(f"{v['within']} of {v['of']} cells within ±{v['points']:g} points of {s}"

@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
                    help="runs at a time (threads sharing the cores; not stacked)")
     p.add_argument("--no-stack", action="store_true",
                    help="run the cells one by one (default: up to 8 train together, one vectorised pass for all)")
+    p.add_argument("--stack-size", type=int, default=None, metavar="N",
+                   help="cells a stack at most (default 8; each holds its data and models while its stack runs)")
     p.add_argument("--sweep-dir", help="the sweep's directory (default runs/sweep-<experiment>-<digest>)")
     p.add_argument("--name", help="the MLflow parent run's name (default sweep-<experiment>-<digest>)")
     p.add_argument("--register-models", action="store_true",
@@ -53,12 +55,15 @@ def cmd_sweep(args) -> int:
 
     if args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: give a positive number of runs at a time")
+    if args.stack_size is not None and args.stack_size < 1:
+        raise ConfigError(f"--stack-size {args.stack_size}: give a positive number of cells a stack (1 runs them one by one)")
     plan = plan_sweep(args.config, parse_grid(args.grid), args.seeds, args.overrides, args.params)
     from flows.sweep_run import STACK_SIZE, run_sweep, sweep_summary  # Prefect, MLflow and torch load once the plan is valid
 
     result = run_sweep(plan, Path(args.sweep_dir) if args.sweep_dir else None, args.tracking_uri, args.partitions,
                        args.parallel, args.name, register_models=args.register_models,
-                       progress=not args.no_progress and args.parallel == 1, stack=0 if args.no_stack else STACK_SIZE)
+                       progress=not args.no_progress and args.parallel == 1,
+                       stack=0 if args.no_stack else (args.stack_size or STACK_SIZE))
     summary = sweep_summary(result)
     base = plan.base
     print(f"\n{base.name}: {len(plan.children)} runs ({len(summary['combinations'])} combinations × "
