@@ -228,12 +228,14 @@ def cohort_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched
         masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
         snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
         full = (sched.weight > 0).flatten(1).all(1).tolist()  # steps with no padded slot (BN fused), read on the CPU
+        # which clients step, on the device once; whether all do, read on the CPU (no device sync a step)
+        active, everyone = sched.active.to(device), sched.active.all(1).tolist()
         with training(model):
             for s in range(sched.steps):
                 g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s], full[s])
                 with torch.no_grad():
                     if extras.any:
-                        g = extras.apply(params, g, sched.active[s].to(device))
+                        g = extras.apply(params, g, active[s], everyone[s])
                     for k in params:
                         if k in frozen:
                             continue
@@ -302,12 +304,11 @@ class _GradientTerms:
             self.buf.update({k: v.to(device, params[k].dtype).clone() for k, v in spec.momentum_init.items()})
         self.after = self.buf is not None and spec.correction_after_momentum  # where the correction enters
 
-    def apply(self, params, g, active):
+    def apply(self, params, g, active, everyone: bool):
         """The step's gradients with the terms added, in place where the gradient is the step's own
         (each ``a + b`` becomes ``a.add_(b)``: the same operations in the same order, the same
         bits, without a cohort-sized temporary per term); ``× mask`` only where a client stopped."""
         out = {}
-        everyone = bool(active.all())
         for k, gk in g.items():
             gk = _owned(gk)
             if self.spec.weight_decay:
