@@ -4,11 +4,14 @@ For a machine that has a GPU but not the tracking stack (the lent GPU images car
 torch and the wheels one brings): the same table definition (configs/repro/), the same cells,
 seeds and protocol, the same rendering beside the published numbers; each cell is
 ``flockfl.rounds.run_rounds`` on ``train.device`` (no checkpoints, no resume: a cell that
-fails is reported and the rest go on). ``--parallel N`` runs N cells at once in threads, which
-keeps a GPU busy when one small model cannot. Use ``flockfl repro`` wherever the stack is there.
+fails is reported and the rest go on). By default up to 8 cells train together (``--stack N``,
+flockfl/engine/stacking.py: each cell its own rounds, their passes merged where they can share,
+convolutions included on a GPU), which keeps a GPU busy when one small model cannot; ``--stack 1
+--parallel N`` runs N cells at once in worker processes instead (spawned: CPU-bound Python does
+not share one interpreter lock). Use ``flockfl repro`` wherever the stack is there.
 
-  python benchmarks/repro_direct.py niid_bench_fmnist --device cuda --seeds 0 --parallel 4
-  python benchmarks/repro_direct.py niid_bench_fmnist --budget cpu --rows FedAvg --columns IID --seeds 0
+  python benchmarks/repro_direct.py niid_bench_fmnist --device cuda --seeds 0
+  python benchmarks/repro_direct.py niid_bench_fmnist --budget cpu --rows FedAvg --columns IID --seeds 0 --stack 1
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ import argparse
 import json
 import sys
 import tempfile
+import multiprocessing
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,14 +39,13 @@ def main(argv=None) -> int:
     ap.add_argument("--columns", nargs="+")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--parallel", type=int, default=1)
+    ap.add_argument("--stack", type=int, default=8, metavar="N", help="cells trained together at most (1: one by one)")
+    ap.add_argument("--parallel", type=int, default=1, help="with --stack 1: cells at once, in worker processes")
     ap.add_argument("--json", help="write the table's JSON here")
     ap.add_argument("--progress", action="store_true",
                     help="print every evaluated round's accuracy (a run cut short still shows how far it got)")
     args = ap.parse_args(argv)
 
-    from flockfl.eval_summary import summarise
-    from flockfl.rounds import prepare, run_rounds
     from flows.repro_plan import plan_repro
     from flows.repro_render import describe_setting, render
 
@@ -54,11 +57,14 @@ def main(argv=None) -> int:
         print(f"## {plan.table.title}\n\n{describe_setting(plan)}\n", flush=True)
         lock = threading.Lock()
 
-        def run(child) -> None:
-            t = time.perf_counter()
+        def run(child, t=None, outcome=None) -> None:
+            t = t or time.perf_counter()
             try:
-                prep = prepare(child.cfg, Path(tmp) / "partitions")
-                child.summary = summarise(run_rounds(prep, on_round=progress(child) if args.progress else None))
+                if outcome is None:
+                    outcome = cell(child.cfg, tmp, args.progress, child.key)
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+                child.summary = outcome
                 child.summary["wall_s"] = time.perf_counter() - t
                 child.status = "finished"
             except Exception as err:  # one cell failing does not stop the table
@@ -68,23 +74,27 @@ def main(argv=None) -> int:
                 print(f"  {child.key}: {child.status}" + (f", accuracy {acc:.4f}" if acc is not None else "")
                       + (f" ({child.error})" if child.error else "") + f", {time.perf_counter() - t:.1f} s", flush=True)
 
-        def progress(child):
-            def on_round(state, row) -> None:
-                if row.get("accuracy") is not None:
-                    with lock:
-                        print(f"    {child.key} round {row['round']}: accuracy {row['accuracy']:.4f}, "
-                              f"{row.get('round_time_s', 0):.1f} s", flush=True)
-            return on_round
-
         from flockfl.data.store import build_partition
 
         for child in plan.sweep.children:  # once each, before any thread: two threads would write one file
             build_partition(child.cfg, Path(tmp) / "partitions")
-        if args.parallel > 1:
-            with ThreadPoolExecutor(args.parallel) as pool:
-                list(pool.map(run, plan.sweep.children))
+        children = plan.sweep.children
+        if args.stack > 1:
+            from flockfl.engine.stacking import Stack
+
+            for a in range(0, len(children), args.stack):
+                part, t = children[a:a + args.stack], time.perf_counter()
+                out = Stack().run([lambda c=c: cell(c.cfg, tmp, args.progress, c.key) for c in part])
+                for child, (value, err) in zip(part, out):
+                    run(child, t, value if err is None else err)
+        elif args.parallel > 1:
+            ctx = multiprocessing.get_context("spawn")  # a CUDA context does not survive a fork
+            with ProcessPoolExecutor(args.parallel, mp_context=ctx) as pool:
+                futures = [(c, time.perf_counter(), pool.submit(cell, c.cfg, tmp, args.progress, c.key)) for c in children]
+                for child, t, fut in futures:
+                    run(child, t, fut.exception() or fut.result())
         else:
-            for child in plan.sweep.children:
+            for child in children:
                 run(child)
         text, data = render(plan)
     print(f"\n{text}\n")
@@ -94,6 +104,19 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"table": args.table, "budget": plan.budget, **data}, indent=1, default=str))
     return 0 if all(c.status == "finished" for c in plan.sweep.children) else 1
+
+
+def cell(cfg, tmp: str, show: bool, key: str) -> dict:
+    """One cell's run by the plain loop (in this process, a stack's thread or a worker process)."""
+    from flockfl.eval_summary import summarise
+    from flockfl.rounds import prepare, run_rounds
+
+    def on_round(state, row) -> None:
+        if row.get("accuracy") is not None:
+            print(f"    {key} round {row['round']}: accuracy {row['accuracy']:.4f}, {row.get('round_time_s', 0):.1f} s",
+                  flush=True)
+
+    return summarise(run_rounds(prepare(cfg, Path(tmp) / "partitions"), on_round=on_round if show else None))
 
 
 if __name__ == "__main__":
