@@ -233,3 +233,29 @@ def test_a_stop_never_lets_a_cell_go_on_without_its_pass(tmp_path):
         assert all(row["clients_dropped"] == 0 for row in s.history)
     out = Stack().run([lambda i=i, c=c, d=d: job(i, c, d, False) for i, (c, d) in enumerate(zip(cfgs, dirs))])
     assert [v for v, _ in out] == full
+
+
+# ---------------------------------------------------------------------- passes by length
+@pytest.mark.parametrize("kind", ["ifca", "fedprox", "scaffold", "momentum"])
+def test_clients_of_very_unequal_schedules_train_in_passes_by_length_with_their_own_bits(kind):
+    """A power-law cohort (2 to 120 samples: 1 to 60 steps) trains in passes of similar length
+    (flockfl.engine.trainers.length_buckets); each client ends in the bits one pass gives it.
+    (Plain SGD from a shared start, the dense trainer's low-rank layers, keeps one pass.)"""
+    from flockfl.engine.schedule import cohort_schedule, stack_schedule
+    from flockfl.engine.trainers import _one_pass, length_buckets
+
+    sizes = [120, 3, 2, 64, 9, 33, 2, 17, 5, 90]
+    m, d, s, seed = _cell(0, sizes, kind)
+    sched = stack_schedule(cohort_schedule(s, d.sizes, seed, 3), d.offsets, s.clients)
+    buckets = length_buckets(sched.active.sum(0).numpy())
+    assert buckets is not None and len(buckets) >= 3
+    one = _one_pass(m, s, d, "classification", sched, s.step_rates(3, sched.steps))  # every client in one pass
+    _identical(train_cohort(m, s, d, "classification", seed, 3), one)
+
+
+def test_equal_schedules_keep_one_pass():
+    from flockfl.engine.trainers import length_buckets
+
+    assert length_buckets(np.array([10, 10, 9, 10])) is None
+    assert length_buckets(np.array([10, 1, 1, 10])) is None  # padding at most half the work
+    assert [b.tolist() for b in length_buckets(np.array([40, 1, 2, 3, 30, 4]))] == [[0, 4], [3, 5], [2], [1]]

@@ -178,6 +178,14 @@ class StackedSchedule:
     def steps(self) -> int:
         return self.index.shape[0]
 
+    def rows(self, positions: np.ndarray) -> "StackedSchedule":
+        """The schedule of the clients at ``positions``, up to the last step one of them takes (the
+        same padded width: each client's batches are the ones it has in the whole cohort)."""
+        pos = torch.as_tensor(positions, dtype=torch.long)
+        active = self.active[:, pos]
+        last = int(active.any(1).nonzero().max()) + 1 if bool(active.any()) else 0
+        return StackedSchedule(self.index[:last, pos], self.weight[:last, pos], active[:last])
+
 
 def stack_schedule(batches: list[list[np.ndarray]], offsets: np.ndarray, clients: np.ndarray) -> StackedSchedule:
     c_count = len(batches)

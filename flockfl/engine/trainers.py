@@ -22,7 +22,7 @@ from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-
 from flockfl.engine.data import Split
 from flockfl.engine.dense import DenseCohort, dense_layers
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
-from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
+from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 
 
 # the stack cell (flockfl.engine.stacking) this thread runs, if any: its passes go to the stack
@@ -55,6 +55,16 @@ class TrainResult:
             np.concatenate([p.loss for p in parts]),
             {k: _concat_meta(v) for k, v in meta.items()},
         )
+
+
+    def reorder(self, order: np.ndarray) -> "TrainResult":
+        """The rows in ``order`` (the cohort's order again after passes by length)."""
+        idx = torch.as_tensor(order, dtype=torch.long)
+        rows = lambda v: v[idx.to(v.device)] if isinstance(v, torch.Tensor) else v[order]  # noqa: E731
+        meta = {k: ({n: rows(t) for n, t in v.items()} if isinstance(v, dict) else rows(v) if isinstance(v, (np.ndarray, torch.Tensor)) else v)
+                for k, v in self.meta.items()}
+        return TrainResult(self.clients[order], {k: rows(v) for k, v in self.params.items()}, self.num_samples[order],
+                           self.num_steps[order], self.loss[order], meta)
 
 
 def _concat_meta(parts: list):
@@ -195,15 +205,65 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     return cohort_pass(model, spec, data, task, sched, spec.step_rates(round, sched.steps), method)
 
 
+def _convolutional(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+def _plain(spec: LocalSpec, rates: list[float]) -> bool:
+    """Whether the dense trainer's plain SGD may take the pass (one η, no extra terms)."""
+    return not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
+
+
+def _low_rank(model: nn.Module, spec: LocalSpec, rates: list[float], method: str) -> bool:
+    """Whether the pass takes the dense trainer from a shared start (its low-rank layers materialise
+    a client's weight in one product whose length is the pass's: other bits in a shorter pass)."""
+    return (method in ("auto", "dense") and _plain(spec, rates) and dense_layers(model) is not None
+            and any(v.dim() > 0 and v.shape[0] > 0 and v.stride(0) == 0 for v in spec.init.values()))
+
+
+def length_buckets(steps: np.ndarray) -> list[np.ndarray] | None:
+    """Clients of very unequal schedules (a power-law partition: FlexCFL's synthetic data, 2 to 1,000
+    steps) trained in passes of similar length: every step of a pass computes every client of it,
+    stopped or not, so one pass of 100 clients whose longest takes 1,000 steps does 100,000 client-
+    steps for a few thousand taken. Buckets halve in length (each pass's clients take more than half
+    its steps), and only where padding would be more than half the work: None keeps one pass. Each
+    client's arithmetic is its own in a dense or linear stack (per-client batched products, the same
+    padded width), so its bits do not change; convolutional models keep one pass (a grouped
+    convolution's bits depend on its group count), and so does a dense stack from a shared start
+    (its low-rank layers: see :func:`_low_rank`)."""
+    n = len(steps)
+    if n < 2 or steps.max() * n <= 2 * max(int(steps.sum()), 1):
+        return None
+    order = np.argsort(-steps, kind="stable")
+    buckets, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or steps[order[i]] * 2 <= steps[order[start]]:
+            buckets.append(np.sort(order[start:i]))
+            start = i
+    return buckets if len(buckets) > 1 else None
+
+
 def cohort_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, rates: list[float],
                 method: str = "auto", segments: tuple[list[slice], set[str]] | None = None) -> TrainResult:
-    """:func:`train_cohort`'s pass over a stacked schedule ``sched`` with step rates ``rates``.
+    """:func:`train_cohort`'s pass over a stacked schedule ``sched`` with step rates ``rates``, in
+    passes by length where the clients' schedules are very unequal (:func:`length_buckets`).
     ``segments``: where the cohort is the cohorts of several cells (:mod:`flockfl.engine.stacking`),
     their slices of the client axis and the entries each cell's clients start from one value of
     (a dense stack keeps that shared start per segment, as each cell alone would)."""
+    shared = bool(segments and segments[1])
+    if not shared and not _convolutional(model) and not _low_rank(model, spec, rates, method):
+        buckets = length_buckets(sched.active.sum(0).numpy())
+        if buckets is not None:
+            parts = [_one_pass(model, restrict(spec, pos), data, task, sched.rows(pos), rates, method) for pos in buckets]
+            return TrainResult.concat(parts).reorder(np.argsort(np.concatenate(buckets), kind="stable"))
+    return _one_pass(model, spec, data, task, sched, rates, method, segments if shared else None)
+
+
+def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, rates: list[float],
+              method: str = "auto", segments: tuple[list[slice], set[str]] | None = None) -> TrainResult:
     device = data.x.device
     # the dense trainer takes plain SGD steps with one η for the whole pass
-    plain = not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
+    plain = _plain(spec, rates)
     layers = dense_layers(model) if method in ("auto", "dense") and plain else None
     steps = sched.active.sum(0).numpy()
     if method == "dense" and layers is None:
