@@ -45,7 +45,7 @@ def dense_layers(model: nn.Module) -> list[str] | None:
     return names if all(relu_after) else None  # every hidden Linear is followed by a ReLU
 
 
-def _shared(t: torch.Tensor) -> bool:
+def shared_rows(t: torch.Tensor) -> bool:
     """True if a stacked tensor is one value broadcast over its leading (client) axis."""
     return t.dim() > 0 and t.shape[0] > 0 and t.stride(0) == 0
 
@@ -61,7 +61,7 @@ class _Layer:
         self.lr = lr
         self.bias = None if bias is None else bias.clone(memory_format=torch.contiguous_format)
         self.segments = segments or [slice(0, c)]
-        self.lowrank = (_shared(weight) if shared is None else shared) and max_rank >= batch
+        self.lowrank = (shared_rows(weight) if shared is None else shared) and max_rank >= batch
         if self.lowrank:
             self.bases = [weight[seg.start] for seg in self.segments]  # [out, in] each, shared by its segment
             self.A = weight.new_empty(c, max_rank, inp)

@@ -34,7 +34,8 @@ import torch
 from flockfl.engine.data import Split
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, stack_schedule
 from flockfl.engine.trainers import CELL as _local
-from flockfl.engine.trainers import TrainResult, cohort_pass
+from flockfl.engine.dense import shared_rows
+from flockfl.engine.trainers import TrainResult, cohort_pass, convolutional, plain_sgd
 
 
 def member() -> Optional["_Member"]:
@@ -185,29 +186,16 @@ def share_key(call: Call) -> Optional[tuple]:
     if s.solver is not None or len(s.clients) == 0 or call.method not in ("auto", "dense", "stacked", "func"):
         return None
     model = call.model
-    if not MERGE_CONVOLUTIONS.get(call.data.x.device.type, True) and _convolutional(model):
+    if not MERGE_CONVOLUTIONS.get(call.data.x.device.type, True) and convolutional(model):
         return None
     shapes = tuple((k, tuple(v.shape), v.dtype) for k, v in model.named_parameters())
     width = max((len(b) for bs in call.batches for b in bs), default=0)
     sched = (s.lr_schedule, s.lr, call.round if s.lr_schedule.kind == "step" else None)
     extras = (s.momentum, s.weight_decay, s.correction_after_momentum, s.masks is not None, s.snapshot_steps is not None,
               s.momentum_init is not None, tuple(sorted(s.prox_mu.items())) if isinstance(s.prox_mu, dict) else None)
-    shared = tuple(k for k, v in s.init.items() if _shared(v))  # starts one value for every client (low-rank layers)
+    shared = tuple(k for k, v in s.init.items() if shared_rows(v))  # starts one value for every client (low-rank layers)
     return (type(model), repr(model), shapes, getattr(model, "conv_layout", None), call.task, str(call.data.x.device),
-            call.data.x.dtype, tuple(call.data.x.shape[1:]), call.method, width, sched, extras, _plain(s), shared)
-
-
-def _shared(v: torch.Tensor) -> bool:
-    return v.dim() > 0 and v.shape[0] > 0 and v.stride(0) == 0
-
-
-def _convolutional(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
-
-
-def _plain(spec: LocalSpec) -> bool:
-    """Whether the pass may take the dense trainer's plain SGD (the trainer's own test, less the rates)."""
-    return not spec.has_extras and spec.masks is None and spec.snapshot_steps is None
+            call.data.x.dtype, tuple(call.data.x.shape[1:]), call.method, width, sched, extras, plain_sgd(s), shared)
 
 
 def train_calls(calls: list[Call]) -> int:
@@ -284,7 +272,7 @@ def _merged(calls: list[Call]) -> None:
     rates = first.spec.step_rates(first.round, sched.steps)
     bounds = np.cumsum([0] + [len(c.spec.clients) for c in calls])
     segments = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
-    shared = {k for k, v in first.spec.init.items() if _shared(v)}  # the same in every call (the share key)
+    shared = {k for k, v in first.spec.init.items() if shared_rows(v)}  # the same in every call (the share key)
     init = {k: torch.cat([c.spec.init[k] for c in calls]) for k in first.spec.init}
     client_mu = None
     if not isinstance(first.spec.prox_mu, dict) and len({float(c.spec.prox_mu) for c in calls}) > 1:

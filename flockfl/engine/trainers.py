@@ -20,7 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
-from flockfl.engine.dense import DenseCohort, dense_layers
+from flockfl.engine.dense import DenseCohort, dense_layers, shared_rows
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 
@@ -205,11 +205,11 @@ def train_cohort(model: nn.Module, spec: LocalSpec, data: Split, task: str, seed
     return cohort_pass(model, spec, data, task, sched, spec.step_rates(round, sched.steps), method)
 
 
-def _convolutional(model: nn.Module) -> bool:
+def convolutional(model: nn.Module) -> bool:
     return any(isinstance(m, nn.Conv2d) for m in model.modules())
 
 
-def _plain(spec: LocalSpec, rates: list[float]) -> bool:
+def plain_sgd(spec: LocalSpec, rates: list[float] = ()) -> bool:
     """Whether the dense trainer's plain SGD may take the pass (one η, no extra terms)."""
     return not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
 
@@ -217,8 +217,8 @@ def _plain(spec: LocalSpec, rates: list[float]) -> bool:
 def _low_rank(model: nn.Module, spec: LocalSpec, rates: list[float], method: str) -> bool:
     """Whether the pass takes the dense trainer from a shared start (its low-rank layers materialise
     a client's weight in one product whose length is the pass's: other bits in a shorter pass)."""
-    return (method in ("auto", "dense") and _plain(spec, rates) and dense_layers(model) is not None
-            and any(v.dim() > 0 and v.shape[0] > 0 and v.stride(0) == 0 for v in spec.init.values()))
+    return (method in ("auto", "dense") and plain_sgd(spec, rates) and dense_layers(model) is not None
+            and any(shared_rows(v) for v in spec.init.values()))
 
 
 def length_buckets(steps: np.ndarray) -> list[np.ndarray] | None:
@@ -251,7 +251,7 @@ def cohort_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched
     their slices of the client axis and the entries each cell's clients start from one value of
     (a dense stack keeps that shared start per segment, as each cell alone would)."""
     shared = bool(segments and segments[1])
-    if not shared and not _convolutional(model) and not _low_rank(model, spec, rates, method):
+    if not shared and not convolutional(model) and not _low_rank(model, spec, rates, method):
         buckets = length_buckets(sched.active.sum(0).numpy())
         if buckets is not None:
             parts = [_one_pass(model, restrict(spec, pos), data, task, sched.rows(pos), rates, method) for pos in buckets]
@@ -263,7 +263,7 @@ def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, 
               method: str = "auto", segments: tuple[list[slice], set[str]] | None = None) -> TrainResult:
     device = data.x.device
     # the dense trainer takes plain SGD steps with one η for the whole pass
-    plain = _plain(spec, rates)
+    plain = plain_sgd(spec, rates)
     layers = dense_layers(model) if method in ("auto", "dense") and plain else None
     steps = sched.active.sum(0).numpy()
     if method == "dense" and layers is None:
