@@ -49,6 +49,8 @@ from flows.repro_tables import load_table, table_names
 
 
 def add_parser(sub) -> None:
+    from flows.sweep_plan import add_run_options
+
     p = sub.add_parser("repro", help="run a published table (3 seeds, resumable) and print ours beside the paper's",
                        description="Run one table of configs/repro/ as a resumable sweep and print ours beside the "
                                    "published numbers, with the protocol and budget named. flockfl repro --list names "
@@ -65,12 +67,7 @@ def add_parser(sub) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every cell (the output says so)")
     p.add_argument("--dry-run", action="store_true", help="print the cells and their configs; run nothing")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="runs at a time (threads sharing the cores; not stacked)")
-    p.add_argument("--no-stack", action="store_true",
-                   help="run the cells one by one (default: up to 8 train together, one vectorised pass for all)")
-    p.add_argument("--stack-size", type=int, default=None, metavar="N",
-                   help="cells a stack at most (default 8; each holds its data and models while its stack runs)")
+    add_run_options(p)
     p.add_argument("--out", help="the table's folder (default runs/repro/<table>-<budget>[-<overrides digest>]"
                                  "[-part-<digest of the --rows/--columns chosen>])")
     p.add_argument("--json", action="store_true", help="print one JSON summary as the last line of stdout")
@@ -122,8 +119,9 @@ def cmd_repro(args) -> int:
         return 0
     if not args.table:
         raise UserError("name a table (flockfl repro TABLE) or list them (flockfl repro --list)")
-    if args.stack_size is not None and args.stack_size < 1:
-        raise UserError(f"--stack-size {args.stack_size}: give a positive number of cells a stack (1 runs them one by one)")
+    from flows.sweep_plan import stack_of
+
+    stack = stack_of(args)
     plan = plan_repro(args.table, args.budget, args.seeds, args.rows, args.columns, args.overrides, args.params, args.out)
     t = plan.table
     missing = missing_data(plan)
@@ -137,7 +135,7 @@ def cmd_repro(args) -> int:
             print(f"- {child.key}: {' '.join(child.overrides)}")
         print(f"\ndata: {missing}" if missing else "\ndata: every cell's dataset is there")
         return 0
-    from flows.sweep_run import STACK_SIZE, run_sweep
+    from flows.sweep_run import run_sweep
 
     lock, estimated = threading.Lock(), []
 
@@ -154,7 +152,7 @@ def cmd_repro(args) -> int:
     result = run_sweep(plan.sweep, plan.out / "runs", args.tracking_uri, args.partitions, args.parallel,
                        f"repro {args.table} ({plan.budget})", experiment=f"repro-{args.table}",
                        progress=not args.no_progress and args.parallel == 1, on_finished=on_finished,
-                       stack=0 if args.no_stack else (args.stack_size or STACK_SIZE))
+                       stack=stack)
     text, data = render(plan)
     notes = "\n".join(f"- {n}" for n in t.notes)
     within = "; ".join(f"{v['within']} of {v['of']} cells within ±{v['points']:g} points of {s}"

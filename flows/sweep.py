@@ -20,6 +20,8 @@ from pathlib import Path
 
 
 def add_parser(sub) -> None:
+    from flows.sweep_plan import add_run_options
+
     p = sub.add_parser("sweep", help="run an experiment over a grid and seeds in one process, as nested MLflow runs",
                        description="Every combination of the --grid values × every --seeds value, as child MLflow runs "
                                    "of one parent run; prints mean ± std per combination. Running the same command "
@@ -30,12 +32,7 @@ def add_parser(sub) -> None:
     p.add_argument("--seeds", nargs="+", type=int, metavar="SEED", help="seeds (default: the config's seed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="applied to every run")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="runs at a time (threads sharing the cores; not stacked)")
-    p.add_argument("--no-stack", action="store_true",
-                   help="run the cells one by one (default: up to 8 train together, one vectorised pass for all)")
-    p.add_argument("--stack-size", type=int, default=None, metavar="N",
-                   help="cells a stack at most (default 8; each holds its data and models while its stack runs)")
+    add_run_options(p)
     p.add_argument("--sweep-dir", help="the sweep's directory (default runs/sweep-<experiment>-<digest>)")
     p.add_argument("--name", help="the MLflow parent run's name (default sweep-<experiment>-<digest>)")
     p.add_argument("--register-models", action="store_true",
@@ -50,20 +47,19 @@ def add_parser(sub) -> None:
 
 def cmd_sweep(args) -> int:
     from flockfl.errors import ConfigError
-    from flows.sweep_plan import parse_grid, plan_sweep
+    from flows.sweep_plan import parse_grid, plan_sweep, stack_of
     from flows.sweep_table import sweep_table
 
     if args.parallel < 1:
         raise ConfigError(f"--parallel {args.parallel}: give a positive number of runs at a time")
-    if args.stack_size is not None and args.stack_size < 1:
-        raise ConfigError(f"--stack-size {args.stack_size}: give a positive number of cells a stack (1 runs them one by one)")
+    stack = stack_of(args)
     plan = plan_sweep(args.config, parse_grid(args.grid), args.seeds, args.overrides, args.params)
-    from flows.sweep_run import STACK_SIZE, run_sweep, sweep_summary  # Prefect, MLflow and torch load once the plan is valid
+    from flows.sweep_run import run_sweep, sweep_summary  # Prefect, MLflow and torch load once the plan is valid
 
     result = run_sweep(plan, Path(args.sweep_dir) if args.sweep_dir else None, args.tracking_uri, args.partitions,
                        args.parallel, args.name, register_models=args.register_models,
                        progress=not args.no_progress and args.parallel == 1,
-                       stack=0 if args.no_stack else (args.stack_size or STACK_SIZE))
+                       stack=stack)
     summary = sweep_summary(result)
     base = plan.base
     print(f"\n{base.name}: {len(plan.children)} runs ({len(summary['combinations'])} combinations × "

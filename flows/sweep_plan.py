@@ -12,6 +12,29 @@ from pathlib import Path
 from typing import Any, Optional
 
 
+STACK_SIZE = 8  # cells trained together at most (each holds its data and models while the stack runs)
+
+
+def add_run_options(p) -> None:
+    """How a sweep's or a table's runs share the machine: ``--parallel``, ``--no-stack``, ``--stack-size``."""
+    p.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="runs at a time (threads sharing the cores; not stacked)")
+    p.add_argument("--no-stack", action="store_true",
+                   help=f"run the cells one by one (default: up to {STACK_SIZE} train together, one vectorised pass for all)")
+    p.add_argument("--stack-size", type=int, default=None, metavar="N",
+                   help=f"cells a stack at most (default {STACK_SIZE}; each holds its data and models while its stack runs)")
+
+
+def stack_of(args) -> int:
+    """The cells a stack at most that ``add_run_options``' flags ask for (0: one by one); a bad
+    number is a one-line ConfigError."""
+    from flockfl.errors import ConfigError
+
+    if args.stack_size is not None and args.stack_size < 1:
+        raise ConfigError(f"--stack-size {args.stack_size}: give a positive number of cells a stack (1 runs them one by one)")
+    return 0 if args.no_stack else (args.stack_size or STACK_SIZE)
+
+
 def parse_grid(items: list[str]) -> list[tuple[str, list[str]]]:
     """``["train.lr=0.01,0.05", …]`` → ``[("train.lr", ["0.01", "0.05"]), …]`` (values stay text:
     ``--set`` parsing turns them into numbers, booleans or lists)."""

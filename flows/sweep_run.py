@@ -26,13 +26,12 @@ from flows.experiment import execute
 from flows.interrupt import interrupted, sigint_seen, watch
 from flows.run_tracking import settle
 from flows.rundir import read_run_file
-from flows.sweep_plan import Child, Plan
+from flows.sweep_plan import STACK_SIZE, Child, Plan
 from flows.sweep_table import aggregate, sweep_table
 from flows.tracking.store import resolve_tracking_uri
 from flows.tracking.tracker import Tracker
 
 SWEEP_FILE = "sweep.json"
-STACK_SIZE = 8  # cells trained together at most (each holds its data and models while the stack runs)
 
 
 @dataclass
