@@ -4,6 +4,7 @@ Prefect API, a real MLflow SQLite store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -125,6 +126,28 @@ def _popen_flock(args, cwd: Path, out, per_process: bool = False):
                             stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
+@contextlib.contextmanager
+def _flock_process(args, cwd: Path, per_process: bool = False):
+    """``flockfl ARGS`` in its own session; whatever is left of its process group is killed after the block."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = _popen_flock(args, cwd, out, per_process)
+        try:
+            yield proc
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _sigkill_when(args, cwd: Path, pred, timeout: float = 240) -> None:
+    """Run ``flockfl ARGS`` and SIGKILL it once ``pred()`` holds."""
+    with _flock_process(args, cwd) as proc:
+        _wait_for(pred, timeout, proc)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _wait_for(pred, timeout: float, proc=None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -150,17 +173,7 @@ def test_killed_sweep_resumes_from_checkpoints(project):
         except (OSError, ValueError, KeyError):
             return False
 
-    with tempfile.TemporaryFile("w+") as out:
-        proc = _popen_flock(cmd, project, out)
-        try:
-            _wait_for(lambda: first_finished() and len(list(second.glob("ckpt-*.pt"))) >= 3, 240, proc)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _sigkill_when(cmd, project, lambda: first_finished() and len(list(second.glob("ckpt-*.pt"))) >= 3)
     first = project / "runs/killed/base-seed0"
     state = json.loads((project / "runs/killed/sweep.json").read_text())
     assert state["runs"]["base seed=0"]["status"] == "finished" and state["runs"]["base seed=1"]["status"] == "pending"
@@ -196,17 +209,7 @@ def test_killed_stacked_sweep_resumes_every_cell_bit_for_bit(project):
     cmd = ["sweep", "mid.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/stack-killed", "--tracking-uri", uri(project),
            "--json"]
     ckpts = [project / f"runs/stack-killed/base-seed{i}/checkpoints" for i in (0, 1)]
-    with tempfile.TemporaryFile("w+") as out:
-        proc = _popen_flock(cmd, project, out)
-        try:
-            _wait_for(lambda: all(len(list(c.glob("ckpt-*.pt"))) >= 3 for c in ckpts), 240, proc)
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    _sigkill_when(cmd, project, lambda: all(len(list(c.glob("ckpt-*.pt"))) >= 3 for c in ckpts))
     state = json.loads((project / "runs/stack-killed/sweep.json").read_text())
     assert all(r["status"] == "pending" for r in state["runs"].values())
     res = run_flock(cmd, project)
@@ -229,24 +232,17 @@ def test_sigkilled_flock_run_leaves_no_process(project):
     import psutil
 
     run_dir = project / "runs/orphan"
-    with tempfile.TemporaryFile("w+") as out:
-        proc = _popen_flock(["run", "long.yaml", "--run-dir", str(run_dir), "--tracking-uri", uri(project)], project, out,
-                            per_process=True)
-        try:
-            _wait_for(lambda: len(list((run_dir / "checkpoints").glob("ckpt-*.pt"))) >= 2, 180, proc)
-            kids = psutil.Process(proc.pid).children(recursive=True)
-            api = [k for k in kids if k.status() != psutil.STATUS_ZOMBIE
-                   and "prefect.server.api.server:create_app" in " ".join(k.cmdline())]
-            assert api, f"no Prefect API server among flockfl's children: {[k.cmdline() for k in kids]}"
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
-            gone, alive = psutil.wait_procs(kids, timeout=20)
-            assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    with _flock_process(["run", "long.yaml", "--run-dir", str(run_dir), "--tracking-uri", uri(project)], project,
+                        per_process=True) as proc:
+        _wait_for(lambda: len(list((run_dir / "checkpoints").glob("ckpt-*.pt"))) >= 2, 180, proc)
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        api = [k for k in kids if k.status() != psutil.STATUS_ZOMBIE
+               and "prefect.server.api.server:create_app" in " ".join(k.cmdline())]
+        assert api, f"no Prefect API server among flockfl's children: {[k.cmdline() for k in kids]}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone, alive = psutil.wait_procs(kids, timeout=20)
+        assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
 
 
 def test_flock_run_reports_its_fixed_cost_and_pickled_models_load(project):
