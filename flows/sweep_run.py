@@ -173,6 +173,13 @@ class _Sweep:
                                     "summary": _slim(child.summary) if child.summary else None}
             _write(self.sweep_dir, self.state)
 
+    def run_name(self, child: Child) -> str:
+        return f"{self.plan.base.name} {child.key}"
+
+    def run_tags(self, child: Child) -> dict:
+        """A child's MLflow tags: the sweep's folder, its grid combination and its seed."""
+        return {**self.tags, "flockfl.sweep.combo": child.label, "flockfl.seed": str(child.seed)}
+
     def todo(self) -> list[Child]:
         """The children to run (an interrupted one resumes from its checkpoints); a finished one is
         kept as it was. Every child is recorded."""
@@ -205,8 +212,7 @@ class _Sweep:
             child.summary = execute(child.cfg, child.run_dir, tracking_uri=self.uri, partitions_root=self.partitions_root,
                                     fresh=fresh, progress=self.progress,
                                     parent_run_id=self.parent.run_id if self.parent else None,
-                                    run_tags={**self.tags, "flockfl.sweep.combo": child.label, "flockfl.seed": str(child.seed)},
-                                    run_name=f"{self.plan.base.name} {child.key}", wait=False)
+                                    run_tags=self.run_tags(child), run_name=self.run_name(child), wait=False)
             child.summary["sweep_wall_s"] = time.perf_counter() - t  # the run as the sweep saw it, set-up included
             return child
         except Exception as err:
@@ -272,8 +278,7 @@ class _Sweep:
             chunk = cells[a:a + size]
             if sigint_seen():
                 raise KeyboardInterrupt(f"sweep interrupted before {chunk[0].key}")
-            runs = [Cell(c.cfg, c.run_dir, f"{self.plan.base.name} {c.key}",
-                         {**self.tags, "flockfl.sweep.combo": c.label, "flockfl.seed": str(c.seed)}) for c in chunk]
+            runs = [Cell(c.cfg, c.run_dir, self.run_name(c), self.run_tags(c)) for c in chunk]
             try:
                 info = run_stack(runs, self.partitions_root, self.uri, self.parent.run_id if self.parent else None,
                                  fresh=[not list_checkpoints(c.run_dir) for c in chunk])
