@@ -89,7 +89,7 @@ class Stack:
     calls and returns how many passes it took (default :func:`train_calls`; the flow wraps it in
     a Prefect task)."""
 
-    def __init__(self, on_pass: Optional[Callable[[list[Call]], None]] = None):
+    def __init__(self, on_pass: Optional[Callable[[list[Call]], int]] = None):
         self.on_pass = on_pass or train_calls
         self.cv = threading.Condition()
         self.passes = self.calls = 0
@@ -277,8 +277,8 @@ def _merged(calls: list[Call]) -> None:
     client_mu = None
     if not isinstance(first.spec.prox_mu, dict) and len({float(c.spec.prox_mu) for c in calls}) > 1:
         # each cell its own μ (a per-parameter dict is part of the share key)
-        client_mu = {k: torch.cat([torch.full((len(c.spec.clients),), float(c.spec.prox_mu)) for c in calls])
-                         for k in init}
+        mu = torch.cat([torch.full((len(c.spec.clients),), float(c.spec.prox_mu)) for c in calls])
+        client_mu = {k: mu for k in init}
     anchor = None
     if any(c.spec.has_prox for c in calls):
         anchor = {k: torch.cat([(c.spec.prox_anchor or c.spec.init)[k] for c in calls]) for k in init}
