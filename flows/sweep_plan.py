@@ -18,7 +18,7 @@ STACK_SIZE = 8  # cells trained together at most (each holds its data and models
 def add_run_options(p) -> None:
     """How a sweep's or a table's runs share the machine: ``--parallel``, ``--no-stack``, ``--stack-size``."""
     p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="runs at a time (threads sharing the cores; not stacked)")
+                   help="processes at a time: this one and N - 1 workers, sharing the cores (each runs its stacks, or its runs one by one)")
     p.add_argument("--no-stack", action="store_true",
                    help=f"run the cells one by one (default: up to {STACK_SIZE} train together, one vectorised pass for all)")
     p.add_argument("--stack-size", type=int, default=None, metavar="N",

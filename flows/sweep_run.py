@@ -1,7 +1,8 @@
 """Running a sweep (:func:`run_sweep`), step by step: its folder and ``sweep.json`` (which runs it
 has, how each ended, what the table needs of its summary; written at every change), the
 children's run directories and partitions, the MLflow parent run, then the runs: one after
-another, each one's models exporting while the next runs, or ``--parallel`` at a time. A run
+another, each one's models exporting while the next runs, in stacks of cells trained together, and
+``--parallel`` processes at a time (flows/sweep_workers.py). A run
 that fails is recorded and the sweep goes on; Ctrl-C stops the sweep, and running it again
 continues it. Its result's JSON summary: :func:`sweep_summary`."""
 
@@ -14,20 +15,21 @@ import statistics
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import queue
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from flockfl.data.store import build_partition
 from flockfl.errors import UserError
 from flockfl.state import list_checkpoints
-from flows.experiment import execute
 from flows.interrupt import interrupted, sigint_seen, watch
 from flows.run_tracking import settle
 from flows.rundir import read_run_file
 from flows.sweep_plan import STACK_SIZE, Child, Plan
 from flows.sweep_table import aggregate, sweep_table
+from flows.sweep_jobs import Job, error_text, make_jobs, run_one, run_stacked
+from flows.sweep_workers import Workers
 from flows.tracking.store import resolve_tracking_uri
 from flows.tracking.tracker import Tracker
 
@@ -56,7 +58,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
     """Run (or continue) every child of ``plan`` in this process; see flows/sweep.py's docstring.
     ``on_finished(child)`` is called, from the thread that settled it, as each child this call
     runs finishes (``flockfl repro``'s time estimate). ``stack``: children trained together, up to
-    this many at a time (flows/stack.py; with ``parallel`` 1 only); 0 runs them one by one."""
+    this many at a time (flows/stack.py); 0 runs them one by one. ``parallel``: processes (flows/sweep_workers.py)."""
     t0 = time.perf_counter()
     base = plan.base
     name = f"sweep-{base.name}-{plan.digest[:10]}"
@@ -79,7 +81,7 @@ def run_sweep(plan: Plan, sweep_dir: Optional[Path] = None, tracking_uri: Option
             f"{sum(c.resumed for c in todo)} resume from checkpoints")
     else:
         log(f"sweep: {len(plan.children)} runs in {sweep_dir}" + (f", MLflow parent run {parent.run_id}" if parent else ""))
-    sweep.run(todo, parallel, stack if parallel == 1 else 0)
+    sweep.run(todo, parallel, stack)
     result = SweepResult(plan, sweep_dir, parent.run_id if parent else None, uri, time.perf_counter() - t0, continued)
     if parent:
         _close_parent(parent, result)
@@ -195,31 +197,26 @@ class _Sweep:
             self.record(child)
         return todo
 
-    def fail(self, child: Child, err: Exception) -> None:  # one run failing does not stop the sweep; it is recorded
+    def fail(self, child: Child, err: Union[Exception, str]) -> None:
+        """Record ``child`` as failed (``err``: the error, or its text from a worker process); the sweep goes on."""
         if os.environ.get("FLOCKFL_DEBUG"):
-            raise err
+            raise err if isinstance(err, Exception) else RuntimeError(err)
         child.status, child.summary = "failed", None
-        child.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        child.error = err if isinstance(err, str) else error_text(err)
         self.log(f"sweep: {child.key} failed: {child.error} (its run directory {child.run_dir} keeps error.log)")
         self.record(child)
 
     def run_child(self, child: Child) -> Optional[Child]:
         """Run ``child`` up to its end; its tracking (the model export) goes on in the background
         until :meth:`settle_child`. Returns the child, or None if it failed."""
-        t = time.perf_counter()
-        try:
-            fresh = not list_checkpoints(child.run_dir)
-            child.summary = execute(child.cfg, child.run_dir, tracking_uri=self.uri, partitions_root=self.partitions_root,
-                                    fresh=fresh, progress=self.progress,
-                                    parent_run_id=self.parent.run_id if self.parent else None,
-                                    run_tags=self.run_tags(child), run_name=self.run_name(child), wait=False)
-            child.summary["sweep_wall_s"] = time.perf_counter() - t  # the run as the sweep saw it, set-up included
+        child.summary, err = run_one(child, self.run_name(child), self.run_tags(child), self.partitions_root, self.uri,
+                                     self.parent.run_id if self.parent else None, self.progress)
+        if err is None:
             return child
-        except Exception as err:
-            if interrupted(err):  # Ctrl-C: the sweep stops here, the run resumes next time (flows/interrupt.py)
-                raise KeyboardInterrupt(f"sweep interrupted during {child.key}") from err
-            self.fail(child, err)
-            return None
+        if interrupted(err):  # Ctrl-C: the sweep stops here, the run resumes next time (flows/interrupt.py)
+            raise KeyboardInterrupt(f"sweep interrupted during {child.key}") from err
+        self.fail(child, err)
+        return None
 
     def settle_child(self, child: Optional[Child]) -> None:
         """Wait for ``child``'s tracking to close, then record it as finished (or failed)."""
@@ -240,22 +237,21 @@ class _Sweep:
             self.on_finished(child)
 
     def run(self, todo: list[Child], parallel: int, stack: int = 0) -> None:
-        """Run ``todo``: in stacks of up to ``stack`` cells trained together (:meth:`stacked`),
-        ``parallel`` at a time, sharing the cores, else one after another
-        (:meth:`one_after_another`). A Ctrl-C is noted: it stops the sweep rather than failing
-        the run it cut; whatever stops the sweep marks the parent run KILLED."""
+        """Run ``todo``: ``parallel`` > 1 in that many processes (:meth:`in_processes`), else in
+        stacks of up to ``stack`` cells trained together (:meth:`stacked`), else one after
+        another (:meth:`one_after_another`). A Ctrl-C is noted: it stops the sweep rather than
+        failing the run it cut; whatever stops the sweep marks the parent run KILLED."""
         cap = None
         if parallel > 1 and not os.environ.get("FLOCKFL_MAX_THREADS"):
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            cap = os.environ["FLOCKFL_MAX_THREADS"] = str(max(1, cores // parallel))  # N runs share the cores
+            cap = os.environ["FLOCKFL_MAX_THREADS"] = str(max(1, cores // parallel))  # N processes share the cores
         guard = watch()  # a Ctrl-C is noted: it stops the sweep rather than failing the run it cut
         guard.__enter__()
         try:
-            if stack > 1 and len(todo) > 1:
+            if parallel > 1 and len(todo) > 1:
+                self.in_processes(todo, parallel, stack)
+            elif stack > 1 and len(todo) > 1:
                 self.stacked(todo, stack)
-            elif parallel > 1 and len(todo) > 1:
-                with ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="flockfl-sweep") as pool:
-                    list(pool.map(lambda c: self.settle_child(self.run_child(c)), todo))
             else:
                 self.one_after_another(todo)
         except BaseException:
@@ -267,46 +263,83 @@ class _Sweep:
             if cap:
                 os.environ.pop("FLOCKFL_MAX_THREADS", None)
 
+    def in_processes(self, todo: list[Child], parallel: int, stack: int) -> None:
+        """The jobs (:func:`flows.sweep_jobs.make_jobs`) taken from one queue by this process and ``parallel`` − 1
+        worker processes (flows/sweep_workers.py), started first: their imports overlap this
+        process's first job. This process records every child as it is reported."""
+        pending: "queue.Queue[Job]" = queue.Queue()
+        jobs = make_jobs(todo, parallel, stack, self.run_name, self.run_tags)
+        for job in jobs:
+            pending.put(job)
+        workers = Workers(min(parallel, len(jobs)) - 1, pending, self.uri, self.partitions_root,
+                          self.parent.run_id if self.parent else None, self.reported)
+        settling: list[threading.Thread] = []
+        try:
+            while not sigint_seen():
+                try:
+                    job = pending.get_nowait()
+                except queue.Empty:
+                    break
+                if job.stack:
+                    self.stack_job(job.children)
+                    continue
+                done = self.run_child(job.children[0])
+                settling.append(threading.Thread(target=self.settle_child, args=(done,), name="flockfl-sweep-settle"))
+                settling[-1].start()
+            for t in settling:
+                t.join()
+            workers.join()
+        except BaseException:
+            workers.stop()
+            raise
+        if workers.interrupted or sigint_seen():
+            raise KeyboardInterrupt("sweep interrupted (its worker processes stopped their runs)")
+
+    def reported(self, child: Child, summary: Optional[dict], error: Optional[str], stopped: bool) -> None:
+        """A child a worker process reported: finished, failed, or stopped by a Ctrl-C (left to resume)."""
+        if stopped:
+            return
+        if error is not None:
+            self.fail(child, error)
+            return
+        child.summary = summary
+        self.settle_child(child)
+
     def stacked(self, todo: list[Child], size: int) -> None:
         """The children that can be cells (flows/stack.py), ``size`` at a time, each stack one flow
-        whose cells train together; then the others one after another. A cell's share of its
-        stack's wall time is its ``sweep_wall_s``."""
-        from flows.stack import Cell, run_stack, stackable
+        whose cells train together (:meth:`stack_job`); then the others one after another."""
+        from flows.stack import stackable
 
         cells = [c for c in todo if stackable(c.cfg)]
         for a in range(0, len(cells), size):
-            chunk = cells[a:a + size]
             if sigint_seen():
-                raise KeyboardInterrupt(f"sweep interrupted before {chunk[0].key}")
-            runs = [Cell(c.cfg, c.run_dir, self.run_name(c), self.run_tags(c)) for c in chunk]
-            try:
-                info = run_stack(runs, self.partitions_root, self.uri, self.parent.run_id if self.parent else None,
-                                 fresh=[not list_checkpoints(c.run_dir) for c in chunk])
-            except Exception as err:
-                if interrupted(err):
-                    raise KeyboardInterrupt(f"sweep interrupted during the stack of {chunk[0].key}") from err
-                for c in chunk:
-                    self.fail(c, err)
-                continue
-            stopped = None
-            rounds = max((r.summary["rounds_wall_s"] for r in runs if r.summary), default=0.0)
-            for child, run in zip(chunk, runs):
-                if run.error is not None:
-                    if interrupted(run.error):
-                        stopped = run.error
-                        continue
-                    self.fail(child, run.error if isinstance(run.error, Exception) else RuntimeError(str(run.error)))
-                    continue
-                child.summary = run.summary
-                child.summary["sweep_wall_s"] = info["wall_s"] / len(chunk)
-                child.summary["stack"] = {"cells": len(chunk), "passes": info["passes"], "calls": info["calls"],
-                                          "wall_s": info["wall_s"], "fixed_s_per_cell": (info["wall_s"] - rounds) / len(chunk)}
-            for child in chunk:
-                if child.summary is not None and child.status != "failed":
-                    self.settle_child(child)
-            if stopped is not None:
-                raise KeyboardInterrupt("sweep interrupted during a stack") from stopped
+                raise KeyboardInterrupt(f"sweep interrupted before {cells[a].key}")
+            self.stack_job(cells[a:a + size])
         self.one_after_another([c for c in todo if not stackable(c.cfg)])
+
+    def stack_job(self, chunk: list[Child]) -> None:
+        """One stack (:func:`run_stacked`), then each of its children settled and recorded."""
+        try:
+            results = run_stacked(chunk, [self.run_name(c) for c in chunk], [self.run_tags(c) for c in chunk],
+                                  self.partitions_root, self.uri, self.parent.run_id if self.parent else None)
+        except Exception as err:
+            if interrupted(err):
+                raise KeyboardInterrupt(f"sweep interrupted during the stack of {chunk[0].key}") from err
+            for c in chunk:
+                self.fail(c, err)
+            return
+        stopped = None
+        for child, (summary, err) in zip(chunk, results):
+            if err is not None:
+                if interrupted(err):
+                    stopped = err
+                else:
+                    self.fail(child, err if isinstance(err, Exception) else RuntimeError(str(err)))
+                continue
+            child.summary = summary
+            self.settle_child(child)
+        if stopped is not None:
+            raise KeyboardInterrupt("sweep interrupted during a stack") from stopped
 
     def one_after_another(self, todo: list[Child]) -> None:
         """Each run's models export while the next run starts (at most one run closing at a
@@ -344,7 +377,7 @@ def _slim(summary: dict) -> dict:
     """What sweep.json keeps of a run's summary (enough for the table and the report)."""
     keys = ("run_id", "run_dir", "rounds", "resumed_from_round", "metrics", "state_sha256", "wall_s", "rounds_wall_s",
             "round_s_median", "sweep_wall_s", "phases_s", "bytes_total", "clients_dropped", "rounds_to_target", "sim_time_to_target",
-            "protocol", "stack")
+            "protocol", "stack", "worker")
     return {k: summary.get(k) for k in keys if k in summary}
 
 

@@ -102,15 +102,30 @@ def test_same_command_again_keeps_finished_runs(project, swept):
     assert "4 of 4 runs finished" in again.stderr
 
 
-def test_parallel_sweep_gives_the_same_runs(project, swept):
-    """--parallel 2: two runs at a time on threads that share the cores, same results."""
+@pytest.mark.parametrize("mode", [[], ["--no-stack"]], ids=["stacks", "one-by-one"])
+def test_parallel_sweep_runs_in_two_processes_with_the_same_runs(project, swept, mode):
+    """--parallel 2: this process and a worker process (flows/sweep_workers.py) take the jobs
+    (two stacks of two cells, or the four runs one by one); each run ends as in the sweep of one
+    process, and the sweep's bookkeeping and MLflow runs are whole."""
+    from mlflow.tracking import MlflowClient
+
     s = last_json(swept.stdout)
-    res = run_flock(sweep_cmd(project, "--sweep-dir", "runs/parallel", "--parallel", "2",
-                              "--set", "tracking.model_format=pt2"), project)
+    out = f"runs/parallel{len(mode)}"
+    res = run_flock(sweep_cmd(project, "--sweep-dir", out, "--parallel", "2", "--set", "tracking.model_format=pt2", *mode),
+                    project)
     assert res.returncode == 0, res.stderr
     p = last_json(res.stdout)
-    assert p["finished"] == 4
+    assert p["finished"] == 4 and p["failed"] == 0
     assert {k: c["state_sha256"] for k, c in p["children"].items()} == {k: c["state_sha256"] for k, c in s["children"].items()}
+    runs = json.loads((project / out / "sweep.json").read_text())["runs"]
+    assert {r["summary"]["worker"] for r in runs.values()} == {0, 1}  # both processes ran some
+    assert all(("stack" in r["summary"]) == (not mode) for r in runs.values())
+    client = MlflowClient(uri(project))
+    kids = client.search_runs([client.get_run(p["parent_run_id"]).info.experiment_id],
+                              f"tags.mlflow.parentRunId = '{p['parent_run_id']}'")
+    assert len(kids) == 4 and all(k.info.status == "FINISHED" for k in kids)
+    assert all(len(client.search_logged_models([k.info.experiment_id], filter_string=f"source_run_id = '{k.info.run_id}'")) == 2
+               for k in kids)  # each run's two cluster models, exported in the process that ran it
 
 
 def test_bad_grid_is_one_line(project):
@@ -122,8 +137,10 @@ def test_bad_grid_is_one_line(project):
 
 
 def _popen_flock(args, cwd: Path, out, per_process: bool = False):
+    # SIGINT as a terminal leaves it (a pytest-xdist worker ignores it, and its children would too)
     return subprocess.Popen([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=flock_env(per_process=per_process),
-                            stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 @contextlib.contextmanager
@@ -225,6 +242,33 @@ def test_killed_stacked_sweep_resumes_every_cell_bit_for_bit(project):
                          "--tracking-uri", uri(project)], project)
         assert ref.returncode == 0, ref.stderr
         assert last_json(ref.stdout)["state_sha256"] == s["children"][f"base seed={seed}"]["state_sha256"]
+
+
+def test_ctrl_c_stops_a_parallel_sweep_and_the_same_command_continues_it(project):
+    """--parallel 2 --no-stack: seed 0 runs in this process (it takes the first job while the worker
+    imports), seed 1 in the worker process. A Ctrl-C (SIGINT to the process group, as a terminal
+    sends it) once the worker's run has checkpoints stops the sweep (exit 130) with no run recorded
+    as failed and the worker's run left to resume; the same command again finishes the sweep, and
+    the worker's run ends in the state of the same run alone."""
+    cmd = ["sweep", "long.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/par-int", "--tracking-uri", uri(project),
+           "--json", "--no-stack", "--parallel", "2"]
+    worker = project / "runs/par-int/base-seed1/checkpoints"
+    with _flock_process(cmd, project) as proc:
+        _wait_for(lambda: len(list(worker.glob("ckpt-*.pt"))) >= 3, 240, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 130
+    runs = json.loads((project / "runs/par-int/sweep.json").read_text())["runs"]
+    assert runs["base seed=1"]["status"] == "pending" and runs["base seed=0"]["status"] in ("pending", "finished"), runs
+    res = run_flock(cmd, project)
+    assert res.returncode == 0, res.stderr
+    s = last_json(res.stdout)
+    assert s["continued"] and s["finished"] == 2 and s["failed"] == 0
+    summary = json.loads((project / "runs/par-int/sweep.json").read_text())["runs"]["base seed=1"]["summary"]
+    assert summary["resumed_from_round"] >= 2
+    ref = run_flock(["run", "long.yaml", "--set", "seed=1", "--run-dir", "runs/par-int-ref", "--json",
+                     "--tracking-uri", uri(project)], project)
+    assert ref.returncode == 0, ref.stderr
+    assert last_json(ref.stdout)["state_sha256"] == s["children"]["base seed=1"]["state_sha256"]
 
 
 def test_sigkilled_flock_run_leaves_no_process(project):
