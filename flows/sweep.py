@@ -46,12 +46,9 @@ def add_parser(sub) -> None:
 
 
 def cmd_sweep(args) -> int:
-    from flockfl.errors import ConfigError
     from flows.sweep_plan import parse_grid, plan_sweep, stack_of
     from flows.sweep_table import sweep_table
 
-    if args.parallel < 1:
-        raise ConfigError(f"--parallel {args.parallel}: give a positive number of runs at a time")
     stack = stack_of(args)
     plan = plan_sweep(args.config, parse_grid(args.grid), args.seeds, args.overrides, args.params)
     from flows.sweep_run import run_sweep, sweep_summary  # Prefect, MLflow and torch load once the plan is valid

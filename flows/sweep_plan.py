@@ -27,9 +27,11 @@ def add_run_options(p) -> None:
 
 def stack_of(args) -> int:
     """The cells a stack at most that ``add_run_options``' flags ask for (0: one by one); a bad
-    number is a one-line ConfigError."""
+    number (of cells or of processes) is a one-line ConfigError."""
     from flockfl.errors import ConfigError
 
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel {args.parallel}: give a positive number of processes (1 runs the sweep in this one)")
     if args.stack_size is not None and args.stack_size < 1:
         raise ConfigError(f"--stack-size {args.stack_size}: give a positive number of cells a stack (1 runs them one by one)")
     return 0 if args.no_stack else (args.stack_size or STACK_SIZE)

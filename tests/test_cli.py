@@ -36,6 +36,9 @@ BAD = [
     (["run", "ifca_rotated_digits", "--set", "algorithm.name=fedyogi", "--set", "algorithm.tau=0"], "algorithm.tau"),
     (["run", "ifca_rotated_digits", "--set", "algorithm.name=scaffold", "--set", "algorithm.option=III"], "allowed: one of II, I"),
     (["run", "ifca_rotated_digits", "--set", "algorithm.option=II"], "not allowed for ifca; allowed: one of model, gradient"),
+    (["sweep", "ifca_rotated_digits", "--parallel", "0"], "--parallel 0: give a positive number of processes"),
+    (["sweep", "ifca_rotated_digits", "--stack-size", "0"], "--stack-size 0: give a positive number of cells"),
+    (["repro", "niid_bench_fmnist", "--parallel", "-1"], "--parallel -1: give a positive number of processes"),
 ]
 
 
