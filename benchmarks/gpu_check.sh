@@ -18,7 +18,8 @@
 #   data/raw/fashion_mnist   (cp -r /usr/share/datasets/fashion-mnist data/raw/fashion_mnist)
 #   gpu-carry                (mkdir gpu-carry; after a call, copy that call's $OUT/repro.tgz into it)
 # and the next call continues the table where the last one stopped (finished cells kept as they are,
-# the others resumed from their checkpoints). T_TESTS=0 T_SPEED=0 skip straight to the table.
+# the others resumed from their checkpoints). T_TESTS=0 T_SPEED=0 skip straight to the table;
+# REPRO_PARALLEL (default 2) is the table's processes.
 set -u
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
@@ -53,9 +54,12 @@ REPRO=runs/repro-gpu
 [ -f gpu-carry/repro.tgz ] && tar xzf gpu-carry/repro.tgz && echo "continuing the table from gpu-carry/repro.tgz"
 echo "== repro niid_bench_fmnist ${REPRO_ARGS:---budget paper --seeds 0 1 2} (${T_REPRO}s cap; continues next call)"
 REPRO_ARGS=${REPRO_ARGS:---budget paper --seeds 0 1 2}  # a CPU dry run: a tiny budget (docs/benchmarks.md)
+# stacks in two processes (flows/sweep_workers.py): each launches its own stacks' kernels, so one
+# stack's Python (its cells' evaluation, selection, checkpoints) overlaps the other's GPU work
+REPRO_PARALLEL=${REPRO_PARALLEL:-2}
 # shellcheck disable=SC2086
 timeout --signal=INT --kill-after=60 "$T_REPRO" python3 -m flows.cli repro niid_bench_fmnist $REPRO_ARGS \
-  --out "$REPRO" --set tracking.enabled=false --no-progress 2>&1 | tee "$OUT/repro.log" | tail -30
+  --parallel "$REPRO_PARALLEL" --out "$REPRO" --set tracking.enabled=false --no-progress 2>&1 | tee "$OUT/repro.log" | tail -30
 [ -d "$REPRO" ] && tar czf "$OUT/repro.tgz" "$REPRO"
 python3 - "$REPRO" <<'PY' | tee -a "$OUT/repro.log"
 import json, sys

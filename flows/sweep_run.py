@@ -15,7 +15,6 @@ import statistics
 import sys
 import threading
 import time
-import queue
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
@@ -28,7 +27,7 @@ from flows.run_tracking import settle
 from flows.rundir import read_run_file
 from flows.sweep_plan import STACK_SIZE, Child, Plan
 from flows.sweep_table import aggregate, sweep_table
-from flows.sweep_jobs import Job, error_text, make_jobs, run_one, run_stacked
+from flows.sweep_jobs import error_text, make_jobs, run_one, run_stacked
 from flows.sweep_workers import Workers
 from flows.tracking.store import resolve_tracking_uri
 from flows.tracking.tracker import Tracker
@@ -264,21 +263,17 @@ class _Sweep:
                 os.environ.pop("FLOCKFL_MAX_THREADS", None)
 
     def in_processes(self, todo: list[Child], parallel: int, stack: int) -> None:
-        """The jobs (:func:`flows.sweep_jobs.make_jobs`) taken from one queue by this process and ``parallel`` − 1
+        """The jobs (:func:`flows.sweep_jobs.make_jobs`) shared by this process and ``parallel`` − 1
         worker processes (flows/sweep_workers.py), started first: their imports overlap this
         process's first job. This process records every child as it is reported."""
-        pending: "queue.Queue[Job]" = queue.Queue()
         jobs = make_jobs(todo, parallel, stack, self.run_name, self.run_tags)
-        for job in jobs:
-            pending.put(job)
-        workers = Workers(min(parallel, len(jobs)) - 1, pending, self.uri, self.partitions_root,
+        workers = Workers(min(parallel, len(jobs)) - 1, jobs, self.uri, self.partitions_root,
                           self.parent.run_id if self.parent else None, self.reported)
         settling: list[threading.Thread] = []
         try:
             while not sigint_seen():
-                try:
-                    job = pending.get_nowait()
-                except queue.Empty:
+                job = workers.next_local()
+                if job is None:
                     break
                 if job.stack:
                     self.stack_job(job.children)

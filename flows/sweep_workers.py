@@ -5,7 +5,7 @@ logging and model export) runs on N cores instead of taking turns under one inte
 
 A worker is ``python -m flows.sweep_workers FD``: it reads jobs as JSON lines on its standard
 input and writes, on file descriptor FD, ``{"ready": true}`` once its imports are done (a job is
-handed to it only then: meanwhile this process takes them), one line per child as that child ends
+handed to it only then: one is kept for it meanwhile, :class:`Workers`), one line per child as that child ends
 (its summary, its models exported, or its error) and one ``{"ran": job}`` line when a job's rounds
 are over (its models may still be exporting: the next job starts meanwhile). Its own output goes to this
 process's standard error. It uses this process's Prefect API (``PREFECT_API_URL``) and MLflow
@@ -19,9 +19,9 @@ dies alone leaves its unreported children failed, each resumable.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -33,16 +33,23 @@ from flows.sweep_jobs import Job, error_text, job_line
 
 
 class Workers:
-    """``n`` worker processes and a thread each that feeds it jobs from ``jobs`` and hands each
-    reported child to ``on_child(child, summary, error, interrupted)`` (``error`` a text)."""
+    """``n`` worker processes sharing ``jobs`` with this process, and a thread each that feeds its
+    worker jobs and hands each reported child to ``on_child(child, summary, error, interrupted)``
+    (``error`` a text).
 
-    def __init__(self, n: int, jobs: "queue.Queue[Job]", uri: str, partitions_root: str, parent_run_id: Optional[str],
+    Which process takes which job: one job is kept for each worker still starting (importing), and
+    this process takes the others (:meth:`next_local`), so N jobs for N processes (a stacked sweep's
+    stacks) go one to each, while a long queue of runs keeps this process busy meanwhile."""
+
+    def __init__(self, n: int, jobs: list[Job], uri: str, partitions_root: str, parent_run_id: Optional[str],
                  on_child: Callable):
-        self.jobs, self.on_child = jobs, on_child
+        self.jobs, self.on_child = collections.deque(jobs), on_child
         self.args = (uri, partitions_root, parent_run_id)
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
         self.interrupted = False
+        self.cv = threading.Condition()
+        self.starting = n  # workers not ready yet: a job is kept for each
         for i in range(n):
             read, write = os.pipe()
             proc = subprocess.Popen([sys.executable, "-m", "flows.sweep_workers", str(write)], stdin=subprocess.PIPE,
@@ -55,16 +62,33 @@ class Workers:
             t.start()
             self.threads.append(t)
 
+    def _take(self) -> Optional[Job]:
+        with self.cv:
+            return None if self.interrupted or not self.jobs else self.jobs.popleft()
+
+    def next_local(self) -> Optional[Job]:
+        """The next job for this process: waits while every job left is kept for a starting worker;
+        None once none is left (or the sweep stops)."""
+        with self.cv:
+            while self.jobs and not self.interrupted:
+                if len(self.jobs) > self.starting:
+                    return self.jobs.popleft()
+                self.cv.wait(1.0)
+            return None
+
+    def _ready(self) -> None:
+        with self.cv:
+            self.starting -= 1
+            self.cv.notify_all()
+
     def _serve(self, proc: subprocess.Popen, results) -> None:
-        """Feed ``proc`` one job at a time (the next once the last one's rounds are over), until the queue is empty."""
+        """Feed ``proc`` one job at a time (the next once the last one's rounds are over), until none is left."""
         pending: dict[str, object] = {}  # key -> child, sent and not yet reported
+        ready = False
 
         def send() -> bool:
-            if self.interrupted:
-                return False
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
+            job = self._take()
+            if job is None:
                 return False
             pending.update({c.key: c for c in job.children})
             try:
@@ -78,7 +102,10 @@ class Workers:
         try:
             for line in results:
                 msg = json.loads(line)
-                if "ready" in msg or "ran" in msg:  # imported (this process took the jobs meanwhile), or a job's rounds are over
+                if "ready" in msg:  # imported: its job (kept for it) and the next ones
+                    ready = True
+                    self._ready()
+                if "ready" in msg or "ran" in msg:  # or a job's rounds are over
                     if ("ready" in msg or more) and not (more := send()):
                         proc.stdin.close()  # no job left: the worker settles its last runs and exits
                     continue
@@ -87,6 +114,8 @@ class Workers:
                 self.on_child(child, msg.get("summary"), msg.get("error"), bool(msg.get("interrupted")))
         finally:
             code = proc.wait()
+            if not ready:  # died starting: its kept job goes to this process
+                self._ready()
             for child in pending.values():  # what the worker never reported
                 stopped = self.interrupted or code in (-2, 130)
                 self.on_child(child, None, f"WorkerDied: the sweep's worker process ended (exit code {code}) "
@@ -102,7 +131,9 @@ class Workers:
         covers a stop from elsewhere), then wait for their reports."""
         import signal
 
-        self.interrupted = True  # no job is handed out any more
+        with self.cv:
+            self.interrupted = True  # no job is handed out any more
+            self.cv.notify_all()
         for p in self.procs:
             if p.poll() is None:
                 try:

@@ -5,6 +5,8 @@ cells' own, and a failure stays with its cell."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -236,19 +238,27 @@ def test_a_stop_never_lets_a_cell_go_on_without_its_pass(tmp_path):
 
 
 # ---------------------------------------------------------------------- passes by length
-@pytest.mark.parametrize("kind", ["ifca", "fedprox", "scaffold", "momentum"])
-def test_clients_of_very_unequal_schedules_train_in_passes_by_length_with_their_own_bits(kind):
+@pytest.mark.parametrize("kind,model_name", [("ifca", "mlp"), ("fedprox", "mlp"), ("scaffold", "mlp"),
+                                             ("momentum", "mlp"), ("fedavg", "mclr")])
+def test_clients_of_very_unequal_schedules_train_in_passes_by_length_with_their_own_bits(kind, model_name):
     """A power-law cohort (2 to 120 samples: 1 to 60 steps) trains in passes of similar length
     (flockfl.engine.trainers.length_buckets); each client ends in the bits one pass gives it.
-    (Plain SGD from a shared start, the dense trainer's low-rank layers, keeps one pass.)"""
+    Plain SGD from a shared start keeps one pass where the dense trainer's layers go low-rank (the
+    MLP's), not where they have no room for a rank (MCLR's 10 outputs: FedAvg on FlexCFL's data)."""
     from flockfl.engine.schedule import cohort_schedule, stack_schedule
-    from flockfl.engine.trainers import _one_pass, length_buckets
+    from flockfl.engine.trainers import _low_rank, _one_pass, length_buckets
 
     sizes = [120, 3, 2, 64, 9, 33, 2, 17, 5, 90]
-    m, d, s, seed = _cell(0, sizes, kind)
+    m, d, s, seed = _cell(0, sizes, kind, model_name)
+    if model_name == "mclr":
+        s = dataclasses.replace(s, batch_size=10)  # FlexCFL's batch: no rank fits in half of 10 outputs
     sched = stack_schedule(cohort_schedule(s, d.sizes, seed, 3), d.offsets, s.clients)
     buckets = length_buckets(sched.active.sum(0).numpy())
     assert buckets is not None and len(buckets) >= 3
+    assert not _low_rank(m, s, s.step_rates(3, sched.steps), "auto", sched.index.shape[2])
+    if kind == "fedavg":
+        mlp = _cell(0, sizes, kind)
+        assert _low_rank(mlp[0], dataclasses.replace(mlp[2], batch_size=10), s.step_rates(3, sched.steps), "auto", 10)
     one = _one_pass(m, s, d, "classification", sched, s.step_rates(3, sched.steps))  # every client in one pass
     _identical(train_cohort(m, s, d, "classification", seed, 3), one)
 

@@ -50,6 +50,18 @@ def shared_rows(t: torch.Tensor) -> bool:
     return t.dim() > 0 and t.shape[0] > 0 and t.stride(0) == 0
 
 
+def max_rank(weight: torch.Tensor, batch: int) -> int:
+    """The largest rank a low-rank layer of this [C, out, in] weight keeps (half its smaller
+    dimension, whole steps of ``batch``); below ``batch`` the layer is dense from the start."""
+    return (min(weight.shape[1], weight.shape[2]) // 2) // batch * batch
+
+
+def low_rank(init: dict[str, torch.Tensor], layers: list[str], batch: int) -> bool:
+    """Whether any layer of a dense stack starting at ``init`` trains in low-rank mode: a shared
+    start (one weight broadcast over the clients) with room for a step's rank."""
+    return any(shared_rows(w) and max_rank(w, batch) >= batch for w in (init[f"{n}.weight"] for n in layers))
+
+
 class _Layer:
     """One Linear layer of the cohort: weight = base − η·Dᵀ·A (factors only in low-rank mode).
     ``segments`` (cells trained together, :mod:`flockfl.engine.stacking`): slices of the client
@@ -144,8 +156,7 @@ class DenseCohort:
         self.layers = []
         for name in layers:
             w = init[f"{name}.weight"]
-            max_rank = (min(w.shape[1], w.shape[2]) // 2) // batch * batch
-            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank, batch, lr, *(
+            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank(w, batch), batch, lr, *(
                 (segments[0], f"{name}.weight" in segments[1]) if segments else ())))
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
-from flockfl.engine.dense import DenseCohort, dense_layers, shared_rows
+from flockfl.engine.dense import DenseCohort, dense_layers, low_rank, shared_rows
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 
@@ -214,11 +214,15 @@ def plain_sgd(spec: LocalSpec, rates: list[float] = ()) -> bool:
     return not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
 
 
-def _low_rank(model: nn.Module, spec: LocalSpec, rates: list[float], method: str) -> bool:
-    """Whether the pass takes the dense trainer from a shared start (its low-rank layers materialise
-    a client's weight in one product whose length is the pass's: other bits in a shorter pass)."""
-    return (method in ("auto", "dense") and plain_sgd(spec, rates) and dense_layers(model) is not None
-            and any(shared_rows(v) for v in spec.init.values()))
+def _low_rank(model: nn.Module, spec: LocalSpec, rates: list[float], method: str, batch: int) -> bool:
+    """Whether the pass takes the dense trainer with low-rank layers (a shared start: FedAvg's MLP),
+    which materialise a client's weight in one product whose length is the pass's, and run a shared
+    GEMM over every client's rows: other bits in a shorter pass. (MCLR's 10 outputs leave no room
+    for a rank: its layer is dense, each client's arithmetic its own.)"""
+    if method not in ("auto", "dense") or not plain_sgd(spec, rates):
+        return False
+    layers = dense_layers(model)
+    return layers is not None and low_rank(spec.init, layers, batch)
 
 
 def length_buckets(steps: np.ndarray) -> list[np.ndarray] | None:
@@ -251,7 +255,7 @@ def cohort_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched
     their slices of the client axis and the entries each cell's clients start from one value of
     (a dense stack keeps that shared start per segment, as each cell alone would)."""
     shared = bool(segments and segments[1])
-    if not shared and not convolutional(model) and not _low_rank(model, spec, rates, method):
+    if not shared and not convolutional(model) and not _low_rank(model, spec, rates, method, sched.index.shape[2]):
         buckets = length_buckets(sched.active.sum(0).numpy())
         if buckets is not None:
             parts = [_one_pass(model, restrict(spec, pos), data, task, sched.rows(pos), rates, method) for pos in buckets]
