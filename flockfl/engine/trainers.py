@@ -215,13 +215,9 @@ def plain_sgd(spec: LocalSpec, rates: list[float] = ()) -> bool:
 
 
 def _low_rank(model: nn.Module, spec: LocalSpec, rates: list[float], method: str, batch: int) -> bool:
-    """Whether the pass takes the dense trainer with low-rank layers (a shared start: FedAvg's MLP),
-    which materialise a client's weight in one product whose length is the pass's, and run a shared
-    GEMM over every client's rows: other bits in a shorter pass. (MCLR's 10 outputs leave no room
-    for a rank: its layer is dense, each client's arithmetic its own.)"""
-    if method not in ("auto", "dense") or not plain_sgd(spec, rates):
-        return False
-    layers = dense_layers(model)
+    """Whether the pass takes the dense trainer with low-rank layers (FedAvg's MLP; not MCLR's 10
+    outputs): one product as long as the pass, one GEMM over all rows, other bits in a shorter pass."""
+    layers = dense_layers(model) if method in ("auto", "dense") and plain_sgd(spec, rates) else None
     return layers is not None and low_rank(spec.init, layers, batch)
 
 
