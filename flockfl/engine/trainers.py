@@ -20,7 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
-from flockfl.engine.dense import DenseCohort, dense_layers, low_rank, shared_rows
+from flockfl.engine.dense import DenseCohort, dense_layers, low_rank
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 
