@@ -33,9 +33,10 @@ def make_jobs(todo: list, parallel: int, stack: int, run_name, run_tags) -> list
     child (and a stack of one) a run of its own. ``run_name(child)``, ``run_tags(child)``: its MLflow run's."""
     from flows.stack import stackable
 
-    cells = [c for c in todo if stack > 1 and stackable(c.cfg)]
+    cell = [stack > 1 and stackable(c.cfg) for c in todo]
+    cells = [c for c, ok in zip(todo, cell) if ok]
     size = min(stack, math.ceil(len(cells) / parallel)) if cells else 1
-    groups = [cells[a:a + size] for a in range(0, len(cells), size)] + [[c] for c in todo if c not in cells]
+    groups = [cells[a:a + size] for a in range(0, len(cells), size)] + [[c] for c, ok in zip(todo, cell) if not ok]
     return [Job(i, len(g) > 1, g, [run_name(c) for c in g], [run_tags(c) for c in g]) for i, g in enumerate(groups)]
 
 

@@ -290,8 +290,9 @@ class _Sweep:
         if workers.interrupted or sigint_seen():
             raise KeyboardInterrupt("sweep interrupted (its worker processes stopped their runs)")
 
-    def reported(self, child: Child, summary: Optional[dict], error: Optional[str], stopped: bool) -> None:
-        """A child a worker process reported: finished, failed, or stopped by a Ctrl-C (left to resume)."""
+    def reported(self, child: Child, summary: Optional[dict], error: Union[Exception, str, None], stopped: bool) -> None:
+        """How a child of a job ended (in a worker process, ``error`` its text; or a cell of this
+        process's stack): finished (settled and recorded), failed, or stopped by a Ctrl-C (left to resume)."""
         if stopped:
             return
         if error is not None:
@@ -325,14 +326,10 @@ class _Sweep:
             return
         stopped = None
         for child, (summary, err) in zip(chunk, results):
-            if err is not None:
-                if interrupted(err):
-                    stopped = err
-                else:
-                    self.fail(child, err if isinstance(err, Exception) else RuntimeError(str(err)))
-                continue
-            child.summary = summary
-            self.settle_child(child)
+            cut = err is not None and interrupted(err)
+            stopped = err if cut else stopped
+            error = err if err is None or isinstance(err, Exception) else RuntimeError(str(err))
+            self.reported(child, summary, error, cut)
         if stopped is not None:
             raise KeyboardInterrupt("sweep interrupted during a stack") from stopped
 

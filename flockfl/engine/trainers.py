@@ -56,13 +56,12 @@ class TrainResult:
             {k: _concat_meta(v) for k, v in meta.items()},
         )
 
-
     def reorder(self, order: np.ndarray) -> "TrainResult":
         """The rows in ``order`` (the cohort's order again after passes by length)."""
         idx = torch.as_tensor(order, dtype=torch.long)
         rows = lambda v: v[idx.to(v.device)] if isinstance(v, torch.Tensor) else v[order]  # noqa: E731
-        meta = {k: ({n: rows(t) for n, t in v.items()} if isinstance(v, dict) else rows(v) if isinstance(v, (np.ndarray, torch.Tensor)) else v)
-                for k, v in self.meta.items()}
+        meta = {k: ({n: rows(t) for n, t in v.items()} if isinstance(v, dict)
+                    else rows(v) if isinstance(v, (np.ndarray, torch.Tensor)) else v) for k, v in self.meta.items()}
         return TrainResult(self.clients[order], {k: rows(v) for k, v in self.params.items()}, self.num_samples[order],
                            self.num_steps[order], self.loss[order], meta)
 
