@@ -237,6 +237,15 @@ def _next_flow_run(client, deployment_id):
     return runs[0] if runs else None
 
 
+def _next_from_cron(schedules) -> Optional[dt.datetime]:
+    """The earliest next time of a deployment's active cron schedules (None if it has none)."""
+    from prefect.server.schemas.schedules import CronSchedule
+
+    times = [next_run(CronSchedule(cron=s.schedule.cron, timezone=s.schedule.timezone))
+             for s in schedules if getattr(s, "active", True) and hasattr(s.schedule, "cron")]
+    return min((t for t in times if t), default=None)
+
+
 def _fmt_time(t) -> str:
     return t.astimezone().strftime("%Y-%m-%d %H:%M:%S %Z") if t else "-"
 
@@ -253,9 +262,11 @@ def cmd_list(api_url: str) -> int:
         for d in deps:
             crons = [f"{s.schedule.cron} ({s.schedule.timezone or 'UTC'})" for s in d.schedules if hasattr(s.schedule, "cron")]
             nxt = _next_flow_run(client, d.id)
+            # the scheduler service makes the runs on its own loop (each minute): before it has, the cron says when
+            when = nxt.expected_start_time if nxt else None if d.paused else _next_from_cron(d.schedules)
             served = str(getattr(d.status, "value", d.status) or "").lower() == "ready"
             rows.append((d.name, (d.parameters or {}).get("experiment", "?"), ", ".join(crons) or "-",
-                         "next " + (_fmt_time(nxt.expected_start_time) if nxt else "-"),
+                         "next " + _fmt_time(when),
                          ("paused" if d.paused else "active") + ("" if served else ", not served")))
         widths = [max(len(r[i]) for r in rows) for i in range(4)]
         for r in rows:

@@ -232,6 +232,26 @@ def live():
     return _LIVE["live"].ready()
 
 
+def test_list_says_when_the_cron_fires_before_the_scheduler_made_a_run():
+    """`flockfl schedule --list` right after serving: the scheduler service (a one-minute loop) may not
+    have made a run yet; the next time then comes from the cron itself, not "-" (a CI flake once)."""
+    import datetime as dt
+    from types import SimpleNamespace
+
+    from flows.schedule import _next_from_cron
+
+    def sched(cron, active=True):
+        return SimpleNamespace(active=active, schedule=SimpleNamespace(cron=cron, timezone="UTC"))
+
+    now = dt.datetime.now(dt.timezone.utc)
+    hourly = _next_from_cron([sched("0 * * * *")])
+    assert hourly.minute == 0 and dt.timedelta(0) < hourly - now <= dt.timedelta(hours=1), hourly
+    every = _next_from_cron([sched("0 * * * *"), sched("* * * * *")])  # the earliest of two
+    assert dt.timedelta(0) < every - now <= dt.timedelta(minutes=1), every
+    assert _next_from_cron([sched("* * * * *", active=False)]) is None
+    assert _next_from_cron([SimpleNamespace(active=True, schedule=SimpleNamespace(interval=60))]) is None
+
+
 @pytest.mark.slow
 def test_flock_schedule_runs_the_experiment_on_the_server(live):
     run = live.completed_run()
