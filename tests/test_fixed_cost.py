@@ -137,6 +137,42 @@ def test_background_calls_run_in_order_and_a_failure_stops_finished(tmp_path):
     assert set(t.seconds) >= {"open", "log_rounds", "log_artifact", "finish"}
 
 
+@pytest.mark.slow  # a real MLflow SQLite store
+def test_rounds_queued_while_the_tracker_is_busy_go_in_one_transaction(tmp_path):
+    """A stack's cells log faster than the store commits: rows queued behind a busy call are taken
+    by the first log_rounds call (one log_batch, i.e. one SQLite transaction, for all of them, split
+    at row boundaries at 1,000 metrics); the later calls find none, and every round is logged once."""
+    import threading
+
+    from mlflow.tracking import MlflowClient
+
+    from flows.tracking.background import BackgroundTracker
+
+    uri_ = f"sqlite:///{tmp_path}/mlflow.db"
+    t = BackgroundTracker(uri_, "bg", "a")
+    batches = []
+    t.submit(lambda tr: batches.append(tr.client.log_batch)).result()  # the real client's method
+
+    def counting(run_id, metrics=(), **kw):
+        batches.append(len(metrics))
+        return batches[0](run_id, metrics=metrics, **kw)
+
+    t.submit(lambda tr: setattr(tr.client, "log_batch", counting)).result()
+    gate = threading.Event()
+    t.submit(lambda tr: gate.wait(30))  # the thread busy (an export, say)
+    wide = {f"m{i}": float(i) for i in range(300)}  # 302 metrics a row (with round, accuracy): 3 fit in 1,000
+    for r in range(1, 8):
+        t.log_rounds([{"round": r, "accuracy": r / 10, **wide}])
+    t.log_rounds([{"round": 3, "accuracy": 9.0}])  # already queued: not logged twice
+    gate.set()
+    t.close()
+    assert batches[1:] == [906, 906, 302], batches[1:]  # rounds 1-3, 4-6, 7
+    client = MlflowClient(uri_)
+    assert [(m.step, m.value) for m in client.get_metric_history(t.run_id, "accuracy")] == \
+        [(r, r / 10) for r in range(1, 8)]
+    assert len(client.get_metric_history(t.run_id, "m299")) == 7
+
+
 def test_a_tracker_whose_store_cannot_open_fails_where_the_run_asks(tmp_path):
     from flows.tracking.background import BackgroundTracker
 

@@ -39,6 +39,8 @@ class BackgroundTracker:
 
     def __init__(self, *args, on_open: Optional[Callable[[Tracker], None]] = None, **kwargs):
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._rows: list = []  # history rows queued, not yet taken (log_rounds)
+        self._rows_lock = threading.Lock()
         self._error: Optional[BaseException] = None
         self._tracker: Optional[Tracker] = None
         self.seconds: dict[str, float] = {}
@@ -121,7 +123,21 @@ class BackgroundTracker:
         call.__doc__ = f"Queue :meth:`Tracker.{name}`."
         return call
 
-    log_rounds = _queued("log_rounds")
+    def log_rounds(self, rows: list) -> Future:
+        """Queue :meth:`Tracker.log_rounds`. Rows queued while the thread is busy go in one call
+        (the first such call takes them all; the later ones find none): a stack's cells, or a
+        fast run, log many rounds in one store transaction instead of one each."""
+        with self._rows_lock:
+            self._rows += rows
+
+        def take(t: Tracker) -> None:
+            with self._rows_lock:
+                rows, self._rows = self._rows, []
+            if rows:
+                t.log_rounds(rows)
+
+        return self.submit(take, "log_rounds")
+
     catch_up = _queued("catch_up")
     log_values = _queued("log_values")
     log_once = _queued("log_once")
