@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from flockfl.engine import fused
 from flockfl.engine.data import Split
 from flockfl.engine.functional import conv_layout, memory_format
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict
@@ -98,6 +99,7 @@ def probe_key(model: nn.Module, spec: LocalSpec, data: Split, seed: int) -> str:
     facts = {"model": repr(model), "layout": str(memory_format(conv_layout(model), data.x.device)),
              "shapes": {k: list(v.shape) for k, v in spec.init.items()},
              "sample": list(data.x.shape[1:]), "dtype": str(data.x.dtype), "device": str(data.x.device),
+             "fused_update": fused.available(),
              "clients": len(spec.clients), "steps": steps, "batch": spec.batch_size, "extras": extras,
              "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.node(),
              "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}

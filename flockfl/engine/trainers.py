@@ -20,6 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
+from flockfl.engine import fused
 from flockfl.engine.dense import DenseCohort, dense_layers, low_rank
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
@@ -293,16 +294,7 @@ def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, 
             for s in range(sched.steps):
                 g, loss = step(params, data.x[index[s]], data.y[index[s]], weight[s], full[s])
                 with torch.no_grad():
-                    if extras.any:
-                        g = extras.apply(params, g, active[s], everyone[s])
-                    for k in params:
-                        if k in frozen:
-                            continue
-                        # in place, in the same order of operations (the same bits): g is this step's own
-                        gk = _owned(g[k])
-                        if k in masks:
-                            gk.mul_(masks[k])
-                        params[k].sub_(gk.mul_(rates[s]))
+                    extras.update(params, g, active[s], everyone[s], rates[s], masks, frozen)
                     if snap is not None:
                         rows = torch.from_numpy(np.flatnonzero(snap_at == s + 1)).to(device)
                         if len(rows):
@@ -363,29 +355,53 @@ class _GradientTerms:
             self.buf.update({k: v.to(device, params[k].dtype).clone() for k, v in spec.momentum_init.items()})
         self.after = self.buf is not None and spec.correction_after_momentum  # where the correction enters
 
-    def apply(self, params, g, active, everyone: bool):
-        """The step's gradients with the terms added, in place where the gradient is the step's own
+    def update(self, params, g, active, everyone: bool, rate: float, masks: dict, frozen) -> None:
+        """One step's SGD update of every trained parameter, in place: ``p -= rate · (g + terms) · masks``.
+        In one pass (:mod:`flockfl.engine.fused`) where it can run, else eager, one tensor operation
+        per term; both the same operations in the same order, so the same bits."""
+        fuse = self.buf is None and fused.available()
+        for k, gk in g.items():
+            if k in frozen:
+                continue
+            if fuse and fused.supported(params[k], gk):
+                mu = self._mu(k)
+                fused.sgd_update(params[k], gk, rate, weight_decay=self.spec.weight_decay if self.any else 0.0,
+                                 anchor=self.anchor[k] if mu is not None else None, mu=mu,
+                                 correction=self.corr[k] if self.corr is not None else None,
+                                 client_mask=None if everyone or not self.any else active, mask=masks.get(k))
+                continue
+            gk = self.terms(k, params, gk, active, everyone) if self.any else _owned(gk)
+            if k in masks:
+                gk.mul_(masks[k])
+            params[k].sub_(gk.mul_(rate))
+
+    def _mu(self, k: str):
+        """FedProx's μ of parameter ``k`` (one per client in stacked cells), None where it has none."""
+        if self.anchor is None:
+            return None
+        if self.mu is not None and k in self.mu:
+            return self.mu[k]
+        return self.spec.mu_of(k) or None
+
+    def terms(self, k: str, params, gk, active, everyone: bool):
+        """Parameter ``k``'s gradient with the terms added, in place where the gradient is the step's own
         (each ``a + b`` becomes ``a.add_(b)``: the same operations in the same order, the same
         bits, without a cohort-sized temporary per term); ``× mask`` only where a client stopped."""
-        out = {}
-        for k, gk in g.items():
-            gk = _owned(gk)
-            if self.spec.weight_decay:
-                gk.add_(self.spec.weight_decay * params[k])
-            if self.anchor is not None and self.mu is not None and k in self.mu:  # each client its own μ (stacked cells)
-                gk.add_(torch.sub(params[k], self.anchor[k]).mul_(self.mu[k]))
-            elif self.anchor is not None and self.spec.mu_of(k):
-                gk.add_(torch.sub(params[k], self.anchor[k]).mul_(self.spec.mu_of(k)))
-            if self.corr is not None and not self.after:
-                gk.add_(self.corr[k])
-            if self.buf is not None:
-                mask = client_mask(active, gk)
-                self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
-                gk = self.buf[k].clone()  # the caller scales it in place: not the buffer itself
-            if self.corr is not None and self.after:
-                gk.add_(self.corr[k])
-            out[k] = gk if everyone else gk.mul_(client_mask(active, gk))
-        return out
+        gk = _owned(gk)
+        if self.spec.weight_decay:
+            gk.add_(self.spec.weight_decay * params[k])
+        mu = self._mu(k)
+        if mu is not None:
+            gk.add_(torch.sub(params[k], self.anchor[k]).mul_(mu))
+        if self.corr is not None and not self.after:
+            gk.add_(self.corr[k])
+        if self.buf is not None:
+            mask = client_mask(active, gk)
+            self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
+            gk = self.buf[k].clone()  # the caller scales it in place: not the buffer itself
+        if self.corr is not None and self.after:
+            gk.add_(self.corr[k])
+        return gk if everyone else gk.mul_(client_mask(active, gk))
 
 
 def _owned(t: torch.Tensor) -> torch.Tensor:

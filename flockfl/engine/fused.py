@@ -1,0 +1,190 @@
+"""The vectorised trainer's SGD update in one pass over memory, bit for bit eager PyTorch's.
+
+A stacked cohort's local step ends with element-wise passes over every client's weights: weight
+decay ω·w, FedProx's μ(w − anchor), SCAFFOLD's correction, the masks, then ``w − rate·g``. Eager
+PyTorch runs each as its own pass over the cohort-sized tensors (W1: 120 clients' 784×200
+weights, 75 MB a copy, ~14 passes a step), which made FedProx's and SCAFFOLD's rounds
+memory-bound (docs/benchmarks.md). :func:`sgd_update` does them in one pass, block by block in L1,
+with the same float32 operations in the same order, each rounded (no fused multiply-add:
+``-ffp-contract=off``): the results are eager's bits, so nothing recorded changes.
+
+The kernel is a few lines of C compiled once per machine with the system's C compiler into
+``$XDG_CACHE_HOME/flockfl/kernels/`` (else ``~/.cache/...``; ~0.3 s) and called through ctypes,
+which releases the interpreter lock (with more than one torch thread the rows are split over
+threads). Where there is no compiler, the tensors are not float32 on the CPU, or
+``FLOCKFL_FUSED_UPDATE=off``, :func:`available` is false and the trainer takes the eager path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+ENV = "FLOCKFL_FUSED_UPDATE"
+
+_SOURCE = r"""
+#include <stdint.h>
+#define BLOCK 1024
+
+/* One client row after another, BLOCK elements at a time (in L1): x = g, then each term in
+   eager's order, each operation rounded to float (the compiler is told not to contract). */
+void sgd_update(int64_t rows, int64_t n, float *p, const float *g,
+                int has_wd, float wd,
+                const float *anchor, int64_t anchor_rs, const float *mu, int64_t mu_rs,
+                const float *corr, int64_t corr_rs,
+                const float *cmask,
+                const float *emask, int64_t emask_rs,
+                float rate)
+{
+    float x[BLOCK];
+    for (int64_t i = 0; i < rows; i++) {
+        float *pr = p + i * n;
+        const float *gr = g + i * n;
+        const float *ar = anchor ? anchor + i * anchor_rs : 0;
+        const float m = anchor ? mu[i * mu_rs] : 0.0f;
+        const float *cr = corr ? corr + i * corr_rs : 0;
+        const float c = cmask ? cmask[i] : 1.0f;
+        const float *er = emask ? emask + i * emask_rs : 0;
+        for (int64_t b = 0; b < n; b += BLOCK) {
+            const int64_t e = n - b < BLOCK ? n - b : BLOCK;
+            for (int64_t j = 0; j < e; j++) x[j] = gr[b + j];
+            if (has_wd) for (int64_t j = 0; j < e; j++) { float t = wd * pr[b + j]; x[j] = x[j] + t; }
+            if (ar) for (int64_t j = 0; j < e; j++) { float t = pr[b + j] - ar[b + j]; t = t * m; x[j] = x[j] + t; }
+            if (cr) for (int64_t j = 0; j < e; j++) x[j] = x[j] + cr[b + j];
+            if (cmask) for (int64_t j = 0; j < e; j++) x[j] = x[j] * c;
+            if (er) for (int64_t j = 0; j < e; j++) x[j] = x[j] * er[b + j];
+            for (int64_t j = 0; j < e; j++) { float u = x[j] * rate; pr[b + j] = pr[b + j] - u; }
+        }
+    }
+}
+"""
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_lib: "Optional[ctypes.CDLL] | bool" = None  # None: not tried yet; False: unavailable
+_pool: Optional[ThreadPoolExecutor] = None
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "flockfl" / "kernels"
+
+
+def _machine() -> str:
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _build() -> "ctypes.CDLL | bool":
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return False
+    key = hashlib.sha256("\n".join([_SOURCE, cc, *_FLAGS, _machine()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"sgd_update-{key}.so"
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+                src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
+                src.write_text(_SOURCE)
+                subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)], check=True, capture_output=True, timeout=120)
+                os.replace(out, path)  # atomic: a concurrent run reads the old file or the whole new one
+        except (OSError, subprocess.SubprocessError):
+            return False
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return False
+    f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.sgd_update.argtypes = [i64, i64, ptr, ptr, i32, f, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f]
+    lib.sgd_update.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the fused update can run here (compiled on first use; off with ``FLOCKFL_FUSED_UPDATE=off``)."""
+    global _lib
+    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
+        return False
+    if _lib is None:
+        with _lock:
+            if _lib is None:
+                _lib = _build()
+    return _lib is not False
+
+
+def _rows(t: Optional[torch.Tensor], p: torch.Tensor) -> tuple[Optional[torch.Tensor], int]:
+    """``t`` as float32 rows of ``p``'s row length and its row stride: ``n`` (one row per client)
+    or 0 (one row for every client); None if ``t`` is None."""
+    if t is None:
+        return None, 0
+    rows, n = p.shape[0], p[0].numel()
+    t = t.to(torch.float32)
+    if t.dim() == p.dim() and t.shape[0] == rows and t.shape[1:] == p.shape[1:]:
+        if t.stride(0) == 0:  # a shared start, expanded
+            return t[:1].contiguous().reshape(1, n), 0
+        return t.contiguous().reshape(rows, n), n
+    if t.shape == p.shape[1:] or (t.dim() == p.dim() and t.shape[0] == 1 and t.shape[1:] == p.shape[1:]):
+        return t.contiguous().reshape(1, n), 0
+    return t.expand_as(p).contiguous().reshape(rows, n), n
+
+
+def supported(p: torch.Tensor, g: torch.Tensor) -> bool:
+    return (p.device.type == "cpu" and p.dtype == torch.float32 and g.dtype == torch.float32 and p.dim() >= 1
+            and p.is_contiguous() and g.shape == p.shape and available())
+
+
+def sgd_update(p: torch.Tensor, g: torch.Tensor, rate: float, *, weight_decay: float = 0.0,
+               anchor: Optional[torch.Tensor] = None, mu=None, correction: Optional[torch.Tensor] = None,
+               client_mask: Optional[torch.Tensor] = None, mask: Optional[torch.Tensor] = None) -> None:
+    """``p -= rate · ((((g + ω·p) + (p − anchor)·μ) + correction) · client_mask · mask)`` in place, each
+    term only where given, each operation rounded as eager PyTorch rounds it (``p`` contiguous float32
+    on the CPU, stacked on the client axis; ``mu`` a float or one value per client; ``client_mask``
+    one 0/1 value per client; ``mask`` and ``correction`` shaped as ``p`` or as one client's row).
+    ``g`` is read, not written. Call only where :func:`supported`."""
+    rows, n = p.shape[0], p[0].numel()
+    g = g.contiguous()
+    a, a_rs = _rows(anchor, p)
+    if a is not None:
+        mu_t = (mu.to(torch.float32).reshape(-1).contiguous() if isinstance(mu, torch.Tensor)
+                else torch.tensor([float(mu)], dtype=torch.float32))
+        mu_rs = 1 if mu_t.numel() == rows and rows > 1 else 0
+    else:
+        mu_t, mu_rs = None, 0
+    c, c_rs = _rows(correction, p)
+    e, e_rs = _rows(mask, p)
+    cm = None if client_mask is None else client_mask.to(torch.float32).reshape(-1).contiguous()
+
+    def ptr(t: Optional[torch.Tensor], row: int = 0, rs: int = 0) -> Optional[int]:
+        return None if t is None else t.data_ptr() + row * rs * 4
+
+    def run(lo: int, hi: int) -> None:
+        _lib.sgd_update(hi - lo, n, ptr(p, lo, n), ptr(g, lo, n), int(bool(weight_decay)), float(weight_decay),
+                        ptr(a, lo, a_rs), a_rs, ptr(mu_t, lo, mu_rs), mu_rs, ptr(c, lo, c_rs), c_rs,
+                        ptr(cm, lo, 1), ptr(e, lo, e_rs), e_rs, float(rate))
+
+    threads = torch.get_num_threads()
+    if threads <= 1 or rows < 2 or rows * n < 1 << 18:
+        run(0, rows)
+        return
+    global _pool
+    with _lock:
+        if _pool is None or _pool._max_workers < threads:
+            _pool = ThreadPoolExecutor(threads, thread_name_prefix="flockfl-fused")
+    bounds = [rows * i // threads for i in range(threads + 1)]
+    for f in [_pool.submit(run, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]:
+        f.result()
