@@ -103,3 +103,22 @@ def test_it_runs_only_on_float32_cpu_tensors():
     assert not fused.supported(p.double(), torch.randn(3, 4).double())
     assert not fused.supported(p.t(), torch.randn(4, 3))  # not contiguous
     assert not fused.supported(p, torch.randn(3, 5))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_scaffold_control_variates_are_eagers_bits(threads):
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        C, shape = 9, (40, 1000)
+        x, c = torch.randn(shape, generator=gen), 0.1 * torch.randn(shape, generator=gen)
+        y, old = torch.randn(C, *shape, generator=gen), 0.1 * torch.randn(C, *shape, generator=gen)
+        steps = torch.tensor([1, 3, 5, 5, 2, 7, 1, 4, 6], dtype=torch.float32)
+        scale = (1.0 / (steps * 0.05)).reshape(-1, 1, 1)
+        ci, diff = fused.scaffold_control(x, y, old, c, scale)
+        want = torch.sub(old, c.unsqueeze(0)).add_(torch.sub(x.unsqueeze(0), y).mul_(scale))
+        assert torch.equal(ci, want) and torch.equal(diff, torch.sub(want, old))
+        assert fused.scaffold_control(x.double(), y.double(), old.double(), c.double(), scale.double()) is None
+    finally:
+        torch.set_num_threads(old_threads)

@@ -26,6 +26,7 @@ from flockfl.aggregation import broadcast
 from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, real, weighting
 from flockfl.clientstate import ClientTable
+from flockfl.engine import fused
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import train_cohort
 
@@ -92,14 +93,19 @@ class Scaffold(Algorithm):
             old_ci = old.pop(k)  # each c_i read is let go once used
             # cohort-sized temporaries reused in place, the operations and their order unchanged (the
             # same bits): 1,000 clients of a 159,010-weight MLP are 636 MB a tensor
+            both = None  # (c_i⁺, c_i⁺ − c_i) in one pass (flockfl/engine/fused.py), the same bits
             if grad_x is not None:
                 ci = grad_x[k]
             else:
                 scale = (1.0 / (steps * self.cfg.train.lr)).reshape(-1, *([1] * x.dim()))
-                move = torch.sub(x.unsqueeze(0), y).mul_(scale)  # scale * (x − y_i)
-                ci = torch.sub(old_ci, c[k].unsqueeze(0)).add_(move)  # (c_i − c) + scale (x − y_i)
-                del move
-            dc = torch.sub(ci, old_ci).mean(0)
+                both = fused.scaffold_control(x, y, old_ci, c[k], scale)
+                if both is None:
+                    move = torch.sub(x.unsqueeze(0), y).mul_(scale)  # scale * (x − y_i)
+                    ci = torch.sub(old_ci, c[k].unsqueeze(0)).add_(move)  # (c_i − c) + scale (x − y_i)
+                    del move
+            ci, diff = both if both is not None else (ci, torch.sub(ci, old_ci))
+            dc = diff.mean(0)
+            del diff, both
             del old_ci
             models[k] = (x - float(self.hp("server_lr")) * step[k]).unsqueeze(0)
             new_c[k] = c[k] + (len(clients) / ctx.num_clients) * dc

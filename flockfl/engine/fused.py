@@ -68,6 +68,26 @@ void sgd_update(int64_t rows, int64_t n, float *p, const float *g,
         }
     }
 }
+
+/* SCAFFOLD's new control variates (option II) and their change, in the aggregation's order:
+   ci = (old - c) + (x - y) * scale, d = ci - old; x and c one row for every client. */
+void scaffold_control(int64_t rows, int64_t n, const float *x, const float *y, const float *old,
+                      const float *c, const float *scale, float *ci, float *d)
+{
+    for (int64_t i = 0; i < rows; i++) {
+        const float s = scale[i];
+        const float *yr = y + i * n, *orow = old + i * n;
+        float *cr = ci + i * n, *dr = d + i * n;
+        for (int64_t j = 0; j < n; j++) {
+            float m = x[j] - yr[j];
+            m = m * s;
+            float t = orow[j] - c[j];
+            t = t + m;
+            cr[j] = t;
+            dr[j] = t - orow[j];
+        }
+    }
+}
 """
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
@@ -112,6 +132,8 @@ def _build() -> "ctypes.CDLL | bool":
     f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.sgd_update.argtypes = [i64, i64, ptr, ptr, i32, f, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f]
     lib.sgd_update.restype = None
+    lib.scaffold_control.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+    lib.scaffold_control.restype = None
     return lib
 
 
@@ -177,14 +199,42 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, rate: float, *, weight_decay: f
                         ptr(a, lo, a_rs), a_rs, ptr(mu_t, lo, mu_rs), mu_rs, ptr(c, lo, c_rs), c_rs,
                         ptr(cm, lo, 1), ptr(e, lo, e_rs), e_rs, float(rate))
 
+    _split_rows(run, rows, n)
+
+
+def _split_rows(run, rows: int, n: int) -> None:
+    """``run(lo, hi)`` over row ranges, on torch's threads' worth of threads when it is worth it
+    (ctypes lets go of the interpreter lock during each call)."""
+    global _pool
     threads = torch.get_num_threads()
     if threads <= 1 or rows < 2 or rows * n < 1 << 18:
         run(0, rows)
         return
-    global _pool
     with _lock:
         if _pool is None or _pool._max_workers < threads:
             _pool = ThreadPoolExecutor(threads, thread_name_prefix="flockfl-fused")
     bounds = [rows * i // threads for i in range(threads + 1)]
     for f in [_pool.submit(run, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]:
         f.result()
+
+
+def scaffold_control(x: torch.Tensor, y: torch.Tensor, old: torch.Tensor, c: torch.Tensor, scale: torch.Tensor
+                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """SCAFFOLD option II's ``c_i⁺ = (c_i − c) + (x − y_i)·scale_i`` and ``c_i⁺ − c_i`` for a cohort
+    (``y``, ``old``: ``[C, *shape]``; ``x``, ``c``: ``shape``; ``scale``: one per client) in one pass,
+    each operation rounded as the eager ones; None where it cannot run (the caller runs those)."""
+    if not (available() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, y, old, c, scale))
+            and y.shape == old.shape and y.shape[1:] == x.shape == c.shape and scale.numel() == y.shape[0]):
+        return None
+    rows, n = y.shape[0], x.numel()
+    x, y, old, c = x.contiguous(), y.contiguous(), old.contiguous(), c.contiguous()
+    scale = scale.reshape(-1).contiguous()
+    ci, d = torch.empty_like(y), torch.empty_like(y)
+
+    def run(lo: int, hi: int) -> None:
+        off = lo * n * 4
+        _lib.scaffold_control(hi - lo, n, x.data_ptr(), y.data_ptr() + off, old.data_ptr() + off, c.data_ptr(),
+                              scale.data_ptr() + lo * 4, ci.data_ptr() + off, d.data_ptr() + off)
+
+    _split_rows(run, rows, n)
+    return ci, d
