@@ -61,33 +61,30 @@ FSYNC_THREADS = 16
 
 
 def write_all(rows: dict[Path, np.ndarray]) -> None:
-    """Write each row to its path atomically: every temp file first, then their fsyncs, several
-    at a time (the file system commits them together: 1,000 rows of 57 KB took 3.5 s one by one
-    and 0.46 s 16 at a time here), then the renames. A crash leaves each row whole or absent,
-    and the checkpoint that names them is written only after this returns."""
+    """Write each row to its path atomically: every temp file written and fsynced, several at a
+    time (the file system commits them together: 1,000 rows of 57 KB took 3.5 s one by one and
+    0.46 s 16 at a time here; the writes, which let go of the interpreter lock, overlap too), then
+    the renames. A crash leaves each row whole or absent, and the checkpoint that names them is
+    written only after this returns."""
     if not rows:
         return
     tmps = []
-    for path, row in rows.items():
+    for path in rows:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(row.tobytes())
-        tmps.append(tmp)
+        tmps.append(path.with_name(f".{path.name}.tmp{os.getpid()}"))
 
-    def sync(tmp: Path) -> None:
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def put(tmp: Path, row: np.ndarray) -> None:
+        with open(tmp, "wb") as f:
+            f.write(memoryview(np.ascontiguousarray(row)).cast("B"))  # the row's own bytes: no copy
+            f.flush()
+            os.fsync(f.fileno())
 
     if len(tmps) == 1:
-        sync(tmps[0])
+        put(tmps[0], next(iter(rows.values())))
     else:
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(min(FSYNC_THREADS, len(tmps)), thread_name_prefix="flockfl-fsync") as pool:
-            list(pool.map(sync, tmps))
+            list(pool.map(put, tmps, rows.values()))
     for tmp, path in zip(tmps, rows):
         os.replace(tmp, path)

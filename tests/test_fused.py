@@ -37,33 +37,35 @@ def eager(p, g, rate, wd=0.0, anchor=None, mu=None, corr=None, cmask=None, mask=
     return p
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-def test_every_combination_of_terms_is_eagers_bits(threads):
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
     old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(0)
-        C, shape = 7, (7, 33, 1100)  # rows longer than the kernel's block, not a multiple of it
-        for wd, prox, per_client_mu, shared_anchor, corr, cmask, mask, shared_mask in itertools.product(*[(0, 1)] * 8):
-            if (not prox and (per_client_mu or shared_anchor)) or (not mask and shared_mask):
-                continue
-            p, g = torch.randn(shape, generator=gen), 3 * torch.randn(shape, generator=gen)
-            anchor = torch.randn(shape[1:], generator=gen).expand(shape) if shared_anchor else torch.randn(shape, generator=gen)
-            mu = torch.rand(C, 1, 1, generator=gen) if per_client_mu else 0.01
-            c = 0.1 * torch.randn(shape, generator=gen)
-            cm = torch.rand(C, generator=gen) > 0.3
-            m = (torch.rand(shape[1:] if shared_mask else shape, generator=gen) > 0.5).float()
-            kw = dict(wd=1e-3 if wd else 0.0, anchor=anchor if prox else None, mu=mu, corr=c if corr else None,
-                      cmask=cm if cmask else None, mask=m if mask else None)
-            want = eager(p, g, 0.037, **kw)
-            got, g0 = p.clone(), g.clone()
-            fused.sgd_update(got, g, 0.037, weight_decay=kw["wd"], anchor=kw["anchor"], mu=mu, correction=kw["corr"],
-                             client_mask=kw["cmask"], mask=kw["mask"])
-            assert torch.equal(got, want), kw.keys()
-            assert torch.equal(g, g0)  # the gradient is read, not written
-            assert not torch.equal(got, p)  # and it moved
-    finally:
-        torch.set_num_threads(old)
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(old)
+
+
+def test_every_combination_of_terms_is_eagers_bits(threads):
+    gen = torch.Generator().manual_seed(0)
+    C, shape = 7, (7, 33, 1100)  # rows longer than the kernel's block, not a multiple of it
+    for wd, prox, per_client_mu, shared_anchor, corr, cmask, mask, shared_mask in itertools.product(*[(0, 1)] * 8):
+        if (not prox and (per_client_mu or shared_anchor)) or (not mask and shared_mask):
+            continue
+        p, g = torch.randn(shape, generator=gen), 3 * torch.randn(shape, generator=gen)
+        anchor = torch.randn(shape[1:], generator=gen).expand(shape) if shared_anchor else torch.randn(shape, generator=gen)
+        mu = torch.rand(C, 1, 1, generator=gen) if per_client_mu else 0.01
+        c = 0.1 * torch.randn(shape, generator=gen)
+        cm = torch.rand(C, generator=gen) > 0.3
+        m = (torch.rand(shape[1:] if shared_mask else shape, generator=gen) > 0.5).float()
+        kw = dict(wd=1e-3 if wd else 0.0, anchor=anchor if prox else None, mu=mu, corr=c if corr else None,
+                  cmask=cm if cmask else None, mask=m if mask else None)
+        want = eager(p, g, 0.037, **kw)
+        got, g0 = p.clone(), g.clone()
+        fused.sgd_update(got, g, 0.037, weight_decay=kw["wd"], anchor=kw["anchor"], mu=mu, correction=kw["corr"],
+                         client_mask=kw["cmask"], mask=kw["mask"])
+        assert torch.equal(got, want), kw.keys()
+        assert torch.equal(g, g0)  # the gradient is read, not written
+        assert not torch.equal(got, p)  # and it moved
 
 
 def _pass(terms: str):
@@ -105,20 +107,14 @@ def test_it_runs_only_on_float32_cpu_tensors():
     assert not fused.supported(p, torch.randn(3, 5))
 
 
-@pytest.mark.parametrize("threads", [1, 2])
 def test_scaffold_control_variates_are_eagers_bits(threads):
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        gen = torch.Generator().manual_seed(1)
-        C, shape = 9, (40, 1000)
-        x, c = torch.randn(shape, generator=gen), 0.1 * torch.randn(shape, generator=gen)
-        y, old = torch.randn(C, *shape, generator=gen), 0.1 * torch.randn(C, *shape, generator=gen)
-        steps = torch.tensor([1, 3, 5, 5, 2, 7, 1, 4, 6], dtype=torch.float32)
-        scale = (1.0 / (steps * 0.05)).reshape(-1, 1, 1)
-        ci, diff = fused.scaffold_control(x, y, old, c, scale)
-        want = torch.sub(old, c.unsqueeze(0)).add_(torch.sub(x.unsqueeze(0), y).mul_(scale))
-        assert torch.equal(ci, want) and torch.equal(diff, torch.sub(want, old))
-        assert fused.scaffold_control(x.double(), y.double(), old.double(), c.double(), scale.double()) is None
-    finally:
-        torch.set_num_threads(old_threads)
+    gen = torch.Generator().manual_seed(1)
+    C, shape = 9, (40, 1000)
+    x, c = torch.randn(shape, generator=gen), 0.1 * torch.randn(shape, generator=gen)
+    y, old = torch.randn(C, *shape, generator=gen), 0.1 * torch.randn(C, *shape, generator=gen)
+    steps = torch.tensor([1, 3, 5, 5, 2, 7, 1, 4, 6], dtype=torch.float32)
+    scale = (1.0 / (steps * 0.05)).reshape(-1, 1, 1)
+    ci, diff = fused.scaffold_control(x, y, old, c, scale)
+    want = torch.sub(old, c.unsqueeze(0)).add_(torch.sub(x.unsqueeze(0), y).mul_(scale))
+    assert torch.equal(ci, want) and torch.equal(diff, torch.sub(want, old))
+    assert fused.scaffold_control(x.double(), y.double(), old.double(), c.double(), scale.double()) is None
