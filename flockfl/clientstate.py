@@ -44,7 +44,7 @@ import torch
 
 from flockfl import rowfiles
 from flockfl.errors import CheckpointError
-from flockfl.rowfiles import signature, write_all, row_path
+from flockfl.rowfiles import in_threads, signature, write_all, row_path
 
 
 class ClientTable:
@@ -82,11 +82,23 @@ class ClientTable:
         return self.digests[c].tobytes()
 
     def gather(self, clients, device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
-        """The listed clients' rows, stacked: ``{name: [len(clients), *shape]}``."""
+        """The listed clients' rows, stacked: ``{name: [len(clients), *shape]}``. Rows not in memory
+        are read and verified on torch's threads' worth of threads (file reads and SHA-256 let go
+        of the interpreter lock)."""
         clients = np.asarray(clients, np.int64).reshape(-1)
+        found, missing = [], []
+        for i, c in enumerate(clients):
+            row = self._held(int(c))
+            found.append(row)
+            if row is None:
+                missing.append(i)
+        loaded = in_threads(lambda i: self._load(int(clients[i])), missing)
+        for i, (row, sig) in zip(missing, loaded):
+            c = int(clients[i])
+            rowfiles.ROW_CACHE.put((str(self.root), c, self.digest(c)), row, sig)
+            found[i] = row
         parts = {k: np.empty((len(clients), size), np.uint8) for k, (_, size) in self.layout.items()}
-        for i, c in enumerate(clients):  # straight into one array per name: no second copy of the rows
-            row = self._row(int(c))
+        for i, row in enumerate(found):  # straight into one array per name: no second copy of the rows
             for k, (off, size) in self.layout.items():
                 parts[k][i] = row[off:off + size]
         return self._tensors(parts, len(clients), device)
@@ -95,30 +107,37 @@ class ClientTable:
         """Every client's row, stacked (``[N, *shape]``): for tests and small populations."""
         return self.gather(np.arange(self.num_clients), device)
 
-    def _row(self, c: int) -> np.ndarray:
+    def _held(self, c: int) -> Optional[np.ndarray]:
+        """Client ``c``'s row if it is in memory (written this round, the default, or cached);
+        None if it must be read from its file."""
         if c in self.dirty:
             return self.dirty[c]
         if not self.has[c]:
             return self.default
-        return self._read(c, self.digest(c))
+        self._check_root(c)
+        path = row_path(self.root, c, self.digest(c))
+        try:
+            return rowfiles.ROW_CACHE.get((str(self.root), c, self.digest(c)), signature(path))
+        except OSError:
+            return None  # _load says what is wrong
 
-    def _read(self, c: int, digest: bytes) -> np.ndarray:
+    def _check_root(self, c: int) -> None:
         if self.root is None:
             raise CheckpointError(f"client state row of client {c}: the table has no directory to read it from")
+
+    def _load(self, c: int) -> tuple[np.ndarray, tuple]:
+        """Client ``c``'s row read from its file and verified against its digest, with the file's signature."""
+        self._check_root(c)
+        digest = self.digest(c)
         path = row_path(self.root, c, digest)
         try:
             sig = signature(path)
-            cached = rowfiles.ROW_CACHE.get((str(self.root), c, digest), sig)
-            if cached is not None:
-                return cached
             data = path.read_bytes()
         except OSError:
             raise CheckpointError(f"client state row {path}: missing; the run directory is incomplete") from None
         if hashlib.sha256(data).digest() != digest or len(data) != self.row_nbytes:
             raise CheckpointError(f"client state row {path}: checksum mismatch (truncated or corrupt)")
-        row = np.frombuffer(data, np.uint8)
-        rowfiles.ROW_CACHE.put((str(self.root), c, digest), row, sig)
-        return row
+        return np.frombuffer(data, np.uint8), sig
 
     def _tensors(self, parts: dict[str, np.ndarray], n: int, device) -> dict[str, torch.Tensor]:
         out = {}
@@ -148,9 +167,10 @@ class ClientTable:
             parts.append(v.to("cpu", self.dtypes[k]).contiguous().numpy().reshape(len(clients), -1).view(np.uint8))
         buf = np.concatenate(parts, 1) if parts else np.zeros((len(clients), 0), np.uint8)
         new = self._copy()
+        digests = in_threads(lambda i: hashlib.sha256(buf[i]).digest(), range(len(clients)))
         for i, c in enumerate(clients):
             new.dirty[int(c)] = buf[i]
-            new.digests[int(c)] = np.frombuffer(hashlib.sha256(buf[i]).digest(), np.uint8)
+            new.digests[int(c)] = np.frombuffer(digests[i], np.uint8)
             new.has[int(c)] = True
         return new
 

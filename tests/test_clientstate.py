@@ -76,6 +76,32 @@ def test_a_corrupt_or_missing_row_is_refused(tmp_path, monkeypatch):
     assert t.gather([5])["w"].abs().sum() == 0  # an unwritten row needs no file
 
 
+def test_rows_are_hashed_read_and_verified_the_same_on_two_threads(tmp_path, monkeypatch):
+    """scatter's digests and gather's reads run on torch's threads: the same table, the same rows
+    in the cohort's order, and a corrupt row among many still refused."""
+    monkeypatch.setenv("FLOCKFL_ROW_CACHE_MB", "0")
+    clients = [9, 2, 7, 0, 5, 3]
+    rows = {"w": torch.arange(36, dtype=torch.float32).reshape(6, 3, 2), "b": torch.rand(6, 4) > 0.5}
+    old = torch.get_num_threads()
+    try:
+        out = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            t = table().scatter(clients, rows)
+            t.flush(tmp_path / str(threads))
+            out[threads] = (t.all_digests(), t.gather(clients[::-1] + [1]))
+        assert np.array_equal(out[1][0], out[2][0])
+        for k in rows:
+            assert torch.equal(out[1][1][k], out[2][1][k])
+            assert torch.equal(out[2][1][k][:6], rows[k].flip(0))
+        path = row_path(tmp_path / "2", 7, t.digest(7))
+        path.write_bytes(path.read_bytes()[:-1] + b"\x01")
+        with pytest.raises(CheckpointError, match="checksum mismatch"):
+            t.gather(clients)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_rows_just_written_are_read_from_the_cache_until_their_file_changes(tmp_path, monkeypatch):
     import os
     from pathlib import Path
