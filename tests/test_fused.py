@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler her
 
 
 def eager(p, g, rate, wd=0.0, anchor=None, mu=None, corr=None, cmask=None, mask=None):
-    """The trainer's eager operations, in its order (flockfl/engine/trainers.py _GradientTerms)."""
+    """The trainer's eager operations, in its order (flockfl/engine/update.py GradientTerms)."""
     p, g = p.clone(), g.clone()
     if wd:
         g.add_(wd * p)

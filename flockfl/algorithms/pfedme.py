@@ -61,7 +61,8 @@ from flockfl.aggregation import weighted_mean
 from flockfl.algorithms.hyper import Hyper, integer, real, weighting
 from flockfl.algorithms.personal import PersonalModels, gradient, trained_names
 from flockfl.engine.schedule import client_batches, cohort_schedule, stack_schedule
-from flockfl.engine.trainers import calibrate_bn, client_mask, cohort_step, training
+from flockfl.engine.trainers import calibrate_bn, cohort_step, training
+from flockfl.engine.update import client_mask
 from flockfl.rng import np_rng
 
 

@@ -20,10 +20,10 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
-from flockfl.engine import fused
 from flockfl.engine.dense import DenseCohort, dense_layers, low_rank
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
+from flockfl.engine.update import GradientTerms
 
 
 # the stack cell (flockfl.engine.stacking) this thread runs, if any: its passes go to the stack
@@ -105,12 +105,6 @@ def training(model: nn.Module):
         yield model
     finally:
         model.train(was)
-
-
-def client_mask(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A per-client 0/1 flag (clients still stepping) as ``like``'s dtype, broadcast over the
-    trailing dimensions of a tensor stacked on the client axis."""
-    return active.to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
 
 def _snapshot_at(spec: LocalSpec, steps_taken: np.ndarray) -> np.ndarray | None:
@@ -284,7 +278,7 @@ def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, 
         params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
         frozen = stat_names(model)
         step = cohort_step(model, task, method)
-        extras = _GradientTerms(spec, params, device)
+        extras = GradientTerms(spec, params, device)
         masks = {k: v.to(device) for k, v in spec.masks.items()} if spec.masks is not None else {}
         snap = {k: v.clone() for k, v in params.items()} if snap_at is not None else None
         full = (sched.weight > 0).flatten(1).all(1).tolist()  # steps with no padded slot (BN fused), read on the CPU
@@ -336,78 +330,6 @@ def cohort_step(model: nn.Module, task: str, method: str = "auto"):
         return stacked_step(model, plan, task, frozen)
     batched = vmap(grad_and_value(weighted_loss))
     return lambda p, x, y, w, full=None: batched(p, x, y, w)
-
-
-class _GradientTerms:
-    """Weight decay ω·w, FedProx's μ(w − anchor), an additive per-client correction and local
-    momentum, in the reference loop's order, for stacked parameters. Clients with no step left
-    (``active`` false) neither move nor advance their momentum."""
-
-    def __init__(self, spec: LocalSpec, params: dict[str, torch.Tensor], device):
-        self.spec = spec
-        self.any = spec.has_extras
-        self.anchor = {k: v.to(device) for k, v in (spec.prox_anchor or spec.init).items()} if spec.has_prox else None
-        self.mu = None if spec.client_mu is None else {
-            k: v.to(device, params[k].dtype).reshape(-1, *([1] * (params[k].dim() - 1))) for k, v in spec.client_mu.items()}
-        self.corr = {k: v.to(device) for k, v in spec.correction.items()} if spec.correction is not None else None
-        self.buf = {k: torch.zeros_like(v) for k, v in params.items()} if spec.momentum else None
-        if self.buf is not None and spec.momentum_init is not None:  # persist: each client's buffer from its last round
-            self.buf.update({k: v.to(device, params[k].dtype).clone() for k, v in spec.momentum_init.items()})
-        self.after = self.buf is not None and spec.correction_after_momentum  # where the correction enters
-
-    def update(self, params, g, active, everyone: bool, rate: float, masks: dict, frozen) -> None:
-        """One step's SGD update of every trained parameter, in place: ``p -= rate · (g + terms) · masks``.
-        In one pass (:mod:`flockfl.engine.fused`) where it can run, else eager, one tensor operation
-        per term; both the same operations in the same order, so the same bits."""
-        fuse = self.buf is None and fused.available()
-        for k, gk in g.items():
-            if k in frozen:
-                continue
-            if fuse and fused.supported(params[k], gk):
-                mu = self._mu(k)
-                fused.sgd_update(params[k], gk, rate, weight_decay=self.spec.weight_decay if self.any else 0.0,
-                                 anchor=self.anchor[k] if mu is not None else None, mu=mu,
-                                 correction=self.corr[k] if self.corr is not None else None,
-                                 client_mask=None if everyone or not self.any else active, mask=masks.get(k))
-                continue
-            gk = self.terms(k, params, gk, active, everyone) if self.any else _owned(gk)
-            if k in masks:
-                gk.mul_(masks[k])
-            params[k].sub_(gk.mul_(rate))
-
-    def _mu(self, k: str):
-        """FedProx's μ of parameter ``k`` (one per client in stacked cells), None where it has none."""
-        if self.anchor is None:
-            return None
-        if self.mu is not None and k in self.mu:
-            return self.mu[k]
-        return self.spec.mu_of(k) or None
-
-    def terms(self, k: str, params, gk, active, everyone: bool):
-        """Parameter ``k``'s gradient with the terms added, in place where the gradient is the step's own
-        (each ``a + b`` becomes ``a.add_(b)``: the same operations in the same order, the same
-        bits, without a cohort-sized temporary per term); ``× mask`` only where a client stopped."""
-        gk = _owned(gk)
-        if self.spec.weight_decay:
-            gk.add_(self.spec.weight_decay * params[k])
-        mu = self._mu(k)
-        if mu is not None:
-            gk.add_(torch.sub(params[k], self.anchor[k]).mul_(mu))
-        if self.corr is not None and not self.after:
-            gk.add_(self.corr[k])
-        if self.buf is not None:
-            mask = client_mask(active, gk)
-            self.buf[k] = mask * (self.spec.momentum * self.buf[k] + gk) + (1 - mask) * self.buf[k]
-            gk = self.buf[k].clone()  # the caller scales it in place: not the buffer itself
-        if self.corr is not None and self.after:
-            gk.add_(self.corr[k])
-        return gk if everyone else gk.mul_(client_mask(active, gk))
-
-
-def _owned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself if it can be updated in place (a gradient computed for this step), else a copy
-    (an expanded or otherwise non-contiguous view)."""
-    return t if t.is_contiguous() and t.stride()[-1:] != (0,) else t.contiguous().clone()
 
 
 TRAINERS = {"reference": train_reference, "vectorized": train_cohort}
