@@ -5,6 +5,9 @@ on and off. Where it cannot run (no compiler, another dtype, switched off) the e
 from __future__ import annotations
 
 import itertools
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -118,3 +121,32 @@ def test_scaffold_control_variates_are_eagers_bits(threads):
     want = torch.sub(old, c.unsqueeze(0)).add_(torch.sub(x.unsqueeze(0), y).mul_(scale))
     assert torch.equal(ci, want) and torch.equal(diff, torch.sub(want, old))
     assert fused.scaffold_control(x.double(), y.double(), old.double(), c.double(), scale.double()) is None
+
+
+def test_a_forked_child_updates_on_threads_of_its_own(threads, tmp_path):
+    """The resident flockfl forks a child per command: the parent's pool has no threads there.
+    (The child runs only the kernel and numpy: torch's own OpenMP pool is not fork-safe.)"""
+    gen = torch.Generator().manual_seed(2)
+    p, g = torch.randn(8, 300, 300, generator=gen), torch.randn(8, 300, 300, generator=gen)
+    fused.sgd_update(torch.from_numpy(p.numpy().copy()), g, 0.1)  # the parent's pool, at two threads
+    pid = os.fork()
+    if pid == 0:  # the child: writes its result, exits 0 if the update ran
+        code = 1
+        try:
+            got = torch.from_numpy(p.numpy().copy())
+            fused.sgd_update(got, g, 0.1)
+            np.save(tmp_path / "child.npy", got.numpy())
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert np.array_equal(np.load(tmp_path / "child.npy"), eager(p, g, 0.1).numpy())
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's update did not finish in 60 s")

@@ -96,6 +96,16 @@ _lib: "Optional[ctypes.CDLL] | bool" = None  # None: not tried yet; False: unava
 _pool: Optional[ThreadPoolExecutor] = None
 
 
+def _after_fork() -> None:
+    """A forked child (the resident flockfl's commands) has none of its parent's threads: a pool
+    copied from the parent would take work and never run it."""
+    global _pool, _lock
+    _pool, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def _cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "flockfl" / "kernels"
@@ -178,6 +188,9 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, rate: float, *, weight_decay: f
     on the CPU, stacked on the client axis; ``mu`` a float or one value per client; ``client_mask``
     one 0/1 value per client; ``mask`` and ``correction`` shaped as ``p`` or as one client's row).
     ``g`` is read, not written. Call only where :func:`supported`."""
+    if not supported(p, g):
+        raise ValueError("fused.sgd_update: needs contiguous float32 CPU tensors of one shape and the compiled "
+                         "kernel (check fused.supported first)")
     rows, n = p.shape[0], p[0].numel()
     g = g.contiguous()
     a, a_rs = _rows(anchor, p)
