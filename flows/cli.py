@@ -164,6 +164,9 @@ def cmd_partition(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from flows.interrupt import install_lock_safe_sigint
+
+    install_lock_safe_sigint()  # a Ctrl-C never lands inside a lock's code (flows/interrupt.py)
     parser = _parser()
     args = parser.parse_args(argv)
     from flockfl.errors import FlockError

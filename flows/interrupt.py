@@ -9,15 +9,50 @@ that was gone, and so on: a Ctrl-C during ``flockfl repro`` marked every run lef
 :func:`watch` notes a SIGINT while a sweep runs (and leaves the usual ``KeyboardInterrupt``
 to happen); :func:`interrupted` says whether a run's error comes of one, from that note or from a
 ``KeyboardInterrupt`` / ``SystemExit`` anywhere in the error's chain.
+
+:func:`lock_safe_sigint` is a command's Ctrl-C handler: Python's own raises ``KeyboardInterrupt``
+wherever the main thread is, and once that was inside a ``threading.Condition.__enter__`` just
+after the acquire, in Prefect's event queue: the lock was never released, and the crash report's
+own ``put`` on that queue then waited for it forever (a Ctrl-C'd ``flockfl run`` hung, seen once in
+the suite). Interrupted inside ``threading`` or ``queue`` code other than a wait, it sends the
+signal again a few milliseconds later, out of the lock's code; waits are interrupted at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import queue
 import signal
 import threading
 
 _SEEN = threading.Event()
+
+_LOCK_FILES = {threading.__file__, queue.__file__}
+_WAITS = {"wait", "wait_for", "_wait_for_tstate_lock", "join"}  # blocking waits: safe to interrupt (they re-acquire)
+RETRY_S = 0.005
+
+
+def _in_lock_code(frame) -> bool:
+    code = getattr(frame, "f_code", None)
+    return code is not None and code.co_filename in _LOCK_FILES and code.co_name not in _WAITS
+
+
+def lock_safe_sigint(signum, frame):
+    """Python's Ctrl-C (``KeyboardInterrupt``), except inside ``threading``/``queue`` lock code,
+    where the signal comes again ``RETRY_S`` later (see the module's docstring)."""
+    if _in_lock_code(frame):
+        threading.Timer(RETRY_S, os.kill, (os.getpid(), signum)).start()
+        return
+    raise KeyboardInterrupt
+
+
+def install_lock_safe_sigint() -> None:
+    """Make :func:`lock_safe_sigint` this process's SIGINT handler where Python's own is (not
+    where SIGINT is ignored, as in a script's background job), in the main thread."""
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, lock_safe_sigint)
 
 
 @contextlib.contextmanager

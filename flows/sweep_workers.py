@@ -163,8 +163,9 @@ def _tie():
 
 def _worker(fd: int) -> int:
     """Run the jobs read from standard input; report on ``fd`` (see the module's docstring)."""
-    from flows.interrupt import interrupted, watch
+    from flows.interrupt import install_lock_safe_sigint, interrupted, watch
 
+    install_lock_safe_sigint()
     out = os.fdopen(fd, "w")
     lock = threading.Lock()
     settling: list[threading.Thread] = []

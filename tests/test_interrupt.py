@@ -47,3 +47,43 @@ def test_a_sigint_during_the_watch_is_noted_and_still_interrupts(sigint_default)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler is put back
     with interrupt.watch():  # a new sweep starts with a clean note
         assert not interrupt.interrupted(RuntimeError("plain"))
+
+
+def _frame_in(filename: str, name: str):
+    """A frame whose code claims to be ``filename``'s function ``name`` (where a signal may land)."""
+    import sys
+
+    src = f"def {name}():\n    return sys._getframe()\n"
+    scope = {"sys": sys}
+    exec(compile(src, filename, "exec"), scope)
+    return scope[name]()
+
+
+def test_a_ctrl_c_inside_lock_code_comes_again_after_it_and_a_wait_is_interrupted_at_once(sigint_default):
+    """Python's KeyboardInterrupt inside a Condition's __enter__, just after its acquire, leaks the
+    lock (a Ctrl-C'd run hung in Prefect's event queue): there the signal is sent again a moment
+    later; in a wait, or in flockfl's own code, the interrupt is raised at once."""
+    import queue
+    import threading
+    import time
+
+    with pytest.raises(KeyboardInterrupt):
+        interrupt.lock_safe_sigint(signal.SIGINT, _frame_in(threading.__file__, "wait"))
+    with pytest.raises(KeyboardInterrupt):
+        interrupt.lock_safe_sigint(signal.SIGINT, _frame_in(__file__, "__enter__"))
+    signal.signal(signal.SIGINT, interrupt.lock_safe_sigint)
+    for where in ((threading.__file__, "__enter__"), (queue.__file__, "put")):
+        interrupt.lock_safe_sigint(signal.SIGINT, _frame_in(*where))  # no interrupt here, in the lock's code
+        with pytest.raises(KeyboardInterrupt):  # but a moment later, outside it
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                time.sleep(0.001)
+        assert time.monotonic() < deadline
+
+
+def test_the_handler_is_installed_only_over_pythons_own(sigint_default):
+    interrupt.install_lock_safe_sigint()
+    assert signal.getsignal(signal.SIGINT) is interrupt.lock_safe_sigint
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's ignored Ctrl-C stays ignored
+    interrupt.install_lock_safe_sigint()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
