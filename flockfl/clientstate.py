@@ -44,7 +44,8 @@ import torch
 
 from flockfl import rowfiles
 from flockfl.errors import CheckpointError
-from flockfl.rowfiles import in_threads, signature, write_all, row_path
+from flockfl.engine.runtime import in_threads
+from flockfl.rowfiles import signature, write_all, row_path
 
 
 class ClientTable:

@@ -57,21 +57,6 @@ def row_path(root: Path, client: int, digest: bytes) -> Path:
     return Path(root) / f"{client // 1000:05d}" / f"{client}-{digest.hex()}{ROW_SUFFIX}"
 
 
-def in_threads(fn, items) -> list:
-    """``[fn(x) for x in items]`` on torch's number of threads (for work that lets go of the
-    interpreter lock: hashing, file reads); in order, the first error raised."""
-    items = list(items)
-    import torch
-
-    threads = min(torch.get_num_threads(), len(items))
-    if threads <= 1:
-        return [fn(x) for x in items]
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(threads, thread_name_prefix="flockfl-rows") as pool:
-        return list(pool.map(fn, items))
-
-
 FSYNC_THREADS = 16
 
 

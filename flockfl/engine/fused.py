@@ -25,11 +25,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 import torch
+
+from flockfl.engine.runtime import in_threads
 
 ENV = "FLOCKFL_FUSED_UPDATE"
 
@@ -93,14 +94,12 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-share
 
 _lock = threading.Lock()
 _lib: "Optional[ctypes.CDLL] | bool" = None  # None: not tried yet; False: unavailable
-_pool: Optional[ThreadPoolExecutor] = None
 
 
 def _after_fork() -> None:
-    """A forked child (the resident flockfl's commands) has none of its parent's threads: a pool
-    copied from the parent would take work and never run it."""
-    global _pool, _lock
-    _pool, _lock = None, threading.Lock()
+    """A forked child has none of its parent's threads: a build lock one of them held stays held."""
+    global _lock
+    _lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork)
@@ -216,19 +215,14 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, rate: float, *, weight_decay: f
 
 
 def _split_rows(run, rows: int, n: int) -> None:
-    """``run(lo, hi)`` over row ranges, on torch's threads' worth of threads when it is worth it
-    (ctypes lets go of the interpreter lock during each call)."""
-    global _pool
+    """``run(lo, hi)`` over row ranges, on torch's threads when it is worth it (ctypes lets go of
+    the interpreter lock during each call)."""
     threads = torch.get_num_threads()
     if threads <= 1 or rows < 2 or rows * n < 1 << 18:
         run(0, rows)
         return
-    with _lock:
-        if _pool is None or _pool._max_workers < threads:
-            _pool = ThreadPoolExecutor(threads, thread_name_prefix="flockfl-fused")
     bounds = [rows * i // threads for i in range(threads + 1)]
-    for f in [_pool.submit(run, lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]:
-        f.result()
+    in_threads(lambda b: run(*b), [(lo, hi) for lo, hi in zip(bounds, bounds[1:]) if hi > lo])
 
 
 def scaffold_control(x: torch.Tensor, y: torch.Tensor, old: torch.Tensor, c: torch.Tensor, scale: torch.Tensor

@@ -9,7 +9,9 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -120,3 +122,34 @@ def configure_cuda(fast_math: bool) -> None:
         warnings.warn("train.fast_math=true: TF32 and nondeterministic CUDA kernels; runs (and resumed runs) are no "
                       "longer bit-identical, and differ from CPU runs by more than float rounding", RuntimeWarning,
                       stacklevel=3)
+
+
+_pool: "ThreadPoolExecutor | None" = None
+_pool_lock = threading.Lock()
+
+
+def in_threads(fn, items) -> list:
+    """``[fn(x) for x in items]`` on torch's intra-op thread count, in order, the first error raised:
+    for work that lets go of the interpreter lock (ctypes calls, hashing, file reads). One pool a
+    process, made again in a forked child (the resident's commands), which has none of its
+    parent's threads: a pool copied from the parent would take work and never run it."""
+    global _pool
+    items = list(items)
+    threads = min(torch.get_num_threads(), len(items))
+    if threads <= 1:
+        return [fn(x) for x in items]
+    with _pool_lock:
+        if _pool is None or _pool._max_workers < threads:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(torch.get_num_threads(), thread_name_prefix="flockfl")
+        pool = _pool
+    return list(pool.map(fn, items))
+
+
+def _after_fork() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
