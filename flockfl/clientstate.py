@@ -44,7 +44,7 @@ import torch
 
 from flockfl import rowfiles
 from flockfl.errors import CheckpointError
-from flockfl.engine.runtime import in_threads
+from flockfl.engine.runtime import in_background, in_threads
 from flockfl.rowfiles import signature, write_all, row_path
 
 
@@ -68,10 +68,28 @@ class ClientTable:
         self.default_digest = hashlib.sha256(row).digest()
         self.row_nbytes = len(row)
         # raw SHA-256 per client (a uint8 matrix: numpy's fixed bytes would drop trailing NULs)
-        self.digests = np.zeros((self.num_clients, 32), np.uint8)
+        self._digests = np.zeros((self.num_clients, 32), np.uint8)
+        self._hashing = None  # the future of the rows the last scatter is hashing (see ``digests``)
         self.has = np.zeros(self.num_clients, bool)  # False: the client reads the default row
         self.dirty: dict[int, np.ndarray] = {}  # rows written since the last flush (uint8 views)
         self.root = Path(root) if root is not None else None
+
+    @property
+    def digests(self) -> np.ndarray:
+        """Every client's row digest (zeros for a client never written). The rows a scatter wrote are
+        hashed on the background thread (:func:`~flockfl.engine.runtime.in_background`) while the
+        round goes on (its evaluation): their digests are first read at the checkpoint's flush,
+        and reading them waits for the hashing. Rows not yet hashed are in ``dirty``, so a
+        gather never needs their digests."""
+        if self._hashing is not None:
+            self._hashing.result()
+            self._hashing = None
+        return self._digests
+
+    @digests.setter
+    def digests(self, value: np.ndarray) -> None:
+        self._hashing = None
+        self._digests = value
 
     # ------------------------------------------------------------------ reading
     def written(self, clients: Optional[np.ndarray] = None) -> np.ndarray:
@@ -168,17 +186,21 @@ class ClientTable:
             parts.append(v.to("cpu", self.dtypes[k]).contiguous().numpy().reshape(len(clients), -1).view(np.uint8))
         buf = np.concatenate(parts, 1) if parts else np.zeros((len(clients), 0), np.uint8)
         new = self._copy()
-        digests = in_threads(lambda i: hashlib.sha256(buf[i]).digest(), range(len(clients)))
         for i, c in enumerate(clients):
             new.dirty[int(c)] = buf[i]
-            new.digests[int(c)] = np.frombuffer(digests[i], np.uint8)
             new.has[int(c)] = True
+        # hashed behind the round (the same digests, later): see ``digests``
+        new._hashing = in_background(_hash_rows, new._digests, clients, buf)
         return new
 
+    def __getstate__(self) -> dict:  # pickled (Dask, deepcopy): settled, without the future
+        return {**self.__dict__, "_digests": self.digests, "_hashing": None}
+
     def _copy(self) -> "ClientTable":
+        digests = self.digests.copy()  # after this table's own hashing
         new = object.__new__(ClientTable)
         new.__dict__.update(self.__dict__)
-        new.digests = self.digests.copy()
+        new._digests, new._hashing = digests, None
         new.has = self.has.copy()
         new.dirty = dict(self.dirty)
         return new
@@ -248,6 +270,13 @@ class ClientTable:
     def __repr__(self) -> str:
         return (f"ClientTable({self.num_clients} clients, {self.row_nbytes} bytes per row, "
                 f"{int(self.written().sum())} written, {len(self.dirty)} unflushed)")
+
+
+def _hash_rows(digests: np.ndarray, clients: np.ndarray, buf: np.ndarray) -> None:
+    """``digests[c] = SHA-256(buf[i])`` for the i-th listed client, one row after another (on the
+    background thread: torch's threads, and :func:`in_threads`' pool, stay the round's)."""
+    for i, c in enumerate(clients):
+        digests[int(c)] = np.frombuffer(hashlib.sha256(buf[i]).digest(), np.uint8)
 
 
 def _row_bytes(row: dict[str, torch.Tensor], names: list[str]) -> bytes:

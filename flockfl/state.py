@@ -189,17 +189,68 @@ def save_checkpoint(state: ServerState, run_dir: Path, keep: int = 3) -> Path:
     ckpts = list_checkpoints(run_dir)
     pruned, kept = ckpts[:-keep], ckpts[-keep:]
     rows = any(True for _ in tables(state.algo))
+    if rows:
+        WRITTEN_TABLES.put(path, state.algo)
     pruned_algos = [_algo_of(p, run_dir) for p in pruned] if rows else []  # read before they go
     for old in pruned:
         old.unlink(missing_ok=True)
+        WRITTEN_TABLES.drop(old)
     if pruned_algos:
         collect_garbage(run_dir, pruned_algos, [state.algo] + [_algo_of(p, run_dir) for p in kept if p != path])
     return path
 
 
+class TableIndex:
+    """The client tables of the checkpoints this process wrote, by file and its signature (inode,
+    size, mtime): garbage collection compares a pruned checkpoint's row digests with the kept
+    ones' every round, and read them back by decoding each file (three a round with the default
+    ``checkpoints_to_keep``: ~16 ms of a W1 SCAFFOLD round). A file replaced or rewritten since
+    is decoded as before. Holds the tables (values: their digests, ~33 bytes a client, and no
+    rows once flushed), least recently written out first past ``LIMIT_BYTES`` of digests: a
+    million-client table's 33 MB fits twice, W1's 1,200 clients thousands of times."""
+
+    LIMIT_BYTES = 64 << 20
+
+    def __init__(self):
+        self.entries: dict[str, tuple[tuple, dict, int]] = {}
+
+    def put(self, path: Path, algo: dict) -> None:
+        try:
+            sig = _signature(path)
+        except OSError:
+            return
+        held = {name: t for name, t in tables(algo)}
+        self.drop(path)
+        self.entries[str(path)] = (sig, held, sum(t.digests.nbytes + t.has.nbytes for t in held.values()))
+        while sum(e[2] for e in self.entries.values()) > self.LIMIT_BYTES:
+            self.entries.pop(next(iter(self.entries)))
+
+    def get(self, path: Path) -> Optional[dict]:
+        hit = self.entries.get(str(path))
+        try:
+            return hit[1] if hit is not None and hit[0] == _signature(path) else None
+        except OSError:
+            return None
+
+    def drop(self, path: Path) -> None:
+        self.entries.pop(str(path), None)
+
+
+def _signature(path: Path) -> tuple:
+    st = Path(path).stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+WRITTEN_TABLES = TableIndex()
+
+
 def _algo_of(path: Path, run_dir: Path) -> dict:
-    """The algo tree of a checkpoint (for garbage collection); an unreadable one holds nothing
-    (its rows are then left on disk, never a kept one's deleted)."""
+    """The algo tree of a checkpoint (for garbage collection): its tables as this process wrote them
+    (:data:`WRITTEN_TABLES`), else decoded; an unreadable one holds nothing (its rows are then left
+    on disk, never a kept one's deleted)."""
+    held = WRITTEN_TABLES.get(path)
+    if held is not None:
+        return held
     try:
         return decode_state(path.read_bytes(), str(path), run_dir).algo
     except (CheckpointError, OSError):

@@ -189,6 +189,40 @@ def test_scaffold_checkpoints_write_only_the_cohorts_rows_and_collect_old_ones(t
         assert torch.equal(restored.algo["c_clients"].dense()[k], v), k
 
 
+def test_garbage_collection_decodes_only_checkpoints_this_process_did_not_write(tmp_path, monkeypatch):
+    """A pruned checkpoint's rows are compared with the kept ones' from the tables this process
+    wrote; a checkpoint file replaced since (another process, a copy) is decoded, and what is
+    collected is the same."""
+    import flockfl.state as st
+
+    cfg = scaffold_cfg(rounds=5)
+    run = tmp_path / "run"
+    run_rounds(prepare(cfg, tmp_path), until=3, on_round=lambda s, row: save_checkpoint(s, run, keep=2))
+    decoded = []
+    real = st.decode_state
+    monkeypatch.setattr(st, "decode_state", lambda data, source="checkpoint", run_dir=None:
+                        decoded.append(source) or real(data, source, run_dir))
+    # written by this process: the next checkpoint's collection reads nothing back
+    restored, _ = load_latest(run)
+    decoded.clear()
+    newest = list_checkpoints(run)[-1]
+    data = newest.read_bytes()
+    newest.unlink()
+    newest.write_bytes(data)  # a new file (inode): what this process holds for it no longer counts
+    ckpt_round_2 = list_checkpoints(run)[0]
+
+    def checkpoint(state, row):
+        save_checkpoint(state, run, keep=2)
+        left = {str(f.relative_to(run / "client_state" / "c_clients")) for f in run.rglob("*.row")}
+        kept = [real(p.read_bytes(), str(p), run).algo["c_clients"].files() for p in list_checkpoints(run)]
+        assert left == set().union(*kept)
+
+    drive(prepare(cfg, tmp_path), restored, PLAIN, on_round=checkpoint)
+    # round 4 pruned round 2 (written here: from memory) beside the replaced round 3 (decoded);
+    # round 5 pruned round 3 (decoded again: its file is still not this process's) beside round 4's
+    assert decoded == [str(newest), str(newest)] and str(ckpt_round_2) not in decoded
+
+
 def test_resume_from_the_previous_checkpoint_finds_its_rows(tmp_path):
     """The newest checkpoint is corrupt: the fallback one's rows must not have been collected."""
     cfg = scaffold_cfg(rounds=5)

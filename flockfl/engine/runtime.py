@@ -147,9 +147,25 @@ def in_threads(fn, items) -> list:
     return list(pool.map(fn, items))
 
 
+_behind: "ThreadPoolExecutor | None" = None
+
+
+def in_background(fn, *args):
+    """``fn(*args)`` on the process's one background thread, in the order submitted; returns its
+    future. For work that lets go of the interpreter lock and that the caller needs later, not
+    now (a round's new client-table rows hashed while the round evaluates). Made again in a
+    forked child, as :func:`in_threads`'s pool."""
+    global _behind
+    with _pool_lock:
+        if _behind is None:
+            _behind = ThreadPoolExecutor(1, thread_name_prefix="flockfl-behind")
+        behind = _behind
+    return behind.submit(fn, *args)
+
+
 def _after_fork() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
+    global _pool, _pool_lock, _behind
+    _pool, _pool_lock, _behind = None, threading.Lock(), None
 
 
 os.register_at_fork(after_in_child=_after_fork)
