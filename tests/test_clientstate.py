@@ -40,6 +40,41 @@ def test_unwritten_rows_read_the_default_and_scatter_leaves_the_old_table_alone(
     assert torch.equal(t2.dense()["w"][[5, 7]], torch.full((2, 3, 2), 2.5))
 
 
+def test_a_scatter_hashes_behind_and_every_reader_of_digests_waits_for_it(monkeypatch):
+    """scatter returns before its rows are hashed; what needs no digest (reading the new rows) does
+    not wait, and everything that reads digests (a copy, the state's digest, a pickle) gets them."""
+    import copy
+    import hashlib
+    import pickle
+    import threading
+
+    from flockfl import clientstate
+
+    gate = threading.Event()
+    real = clientstate._hash_rows
+    monkeypatch.setattr(clientstate, "_hash_rows", lambda *a: (gate.wait(10), real(*a)))
+    t = table().scatter([1, 3], rows_of([1, 3], 2.0))
+    assert not t._hashing.done()  # returned before hashing
+    assert t.gather([3, 0])["w"][:, 0, 0].tolist() == [2.0, 0.0]  # the new rows are read from memory
+    pickles: list = []
+    pickled = threading.Thread(target=lambda: pickles.append(pickle.dumps(t)))
+    pickled.start()
+    pickled.join(0.2)
+    assert pickled.is_alive() and not pickles  # pickling waits for the digests ...
+    gate.set()
+    pickled.join(10)
+    later = t.scatter([3, 4], rows_of([3, 4], 5.0))  # a copy (after its parent's hashing), hashing behind
+    row = torch.full((3, 2), 2.0).numpy().tobytes() + torch.zeros(4, dtype=torch.bool).numpy().tobytes()
+    b_first = torch.zeros(4, dtype=torch.bool).numpy().tobytes() + torch.full((3, 2), 2.0).numpy().tobytes()
+    want = hashlib.sha256(b_first if t.names[0] == "b" else row).digest()
+    assert t.digest(1) == t.digest(3) == want
+    assert later.digest(1) == want and later.digest(3) != want and later.written().sum() == 3
+    restored = pickle.loads(pickles[0])  # ... and carries them, without the future
+    assert restored._hashing is None and restored.digest(3) == want
+    assert copy.deepcopy(later).digest(4) == later.digest(4)
+    assert state_with(later).digest() == state_with(pickle.loads(pickle.dumps(later))).digest()
+
+
 def test_scatter_refuses_rows_that_do_not_fit():
     with pytest.raises(ValueError, match="shape"):
         table().scatter([1], {"w": torch.zeros(1, 2, 3), "b": torch.zeros(1, 4, dtype=torch.bool)})
