@@ -128,9 +128,12 @@ class ClientTable:
 
     def _held(self, c: int) -> Optional[np.ndarray]:
         """Client ``c``'s row if it is in memory (written this round, the default, or cached);
-        None if it must be read from its file."""
-        if c in self.dirty:
-            return self.dirty[c]
+        None if it must be read from its file. (A checkpoint may be flushing this table on its
+        thread meanwhile: it sets the new root before it empties ``dirty``, so a row is always
+        in one or the other.)"""
+        row = self.dirty.get(c)
+        if row is not None:
+            return row
         if not self.has[c]:
             return self.default
         self._check_root(c)
@@ -198,11 +201,12 @@ class ClientTable:
 
     def _copy(self) -> "ClientTable":
         digests = self.digests.copy()  # after this table's own hashing
+        held = dict(self.__dict__)  # one snapshot: a flush on the checkpoint thread may move root and dirty
         new = object.__new__(ClientTable)
-        new.__dict__.update(self.__dict__)
+        new.__dict__.update(held)
         new._digests, new._hashing = digests, None
-        new.has = self.has.copy()
-        new.dirty = dict(self.dirty)
+        new.has = held["has"].copy()
+        new.dirty = dict(held["dirty"])
         return new
 
     def flush(self, root: Path) -> int:
@@ -217,7 +221,7 @@ class ClientTable:
         write_all(todo)
         for c, row in self.dirty.items():  # what was just written is what the next round reads
             rowfiles.ROW_CACHE.put((str(root), c, self.digest(c)), row, signature(paths[c]))
-        self.root = root
+        self.root = root  # before dirty empties: a reader on another thread finds each row in one of them
         self.dirty = {}
         return sum(len(r) for r in todo.values())
 

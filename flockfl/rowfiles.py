@@ -4,6 +4,7 @@ writes, and the in-memory cache of rows already read or written (:data:`ROW_CACH
 from __future__ import annotations
 
 import os
+import threading
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
@@ -15,34 +16,38 @@ ROW_SUFFIX = ".row"
 
 class RowCache:
     """Rows by (directory, client, digest) with their file's signature, least recently used
-    evicted past the byte limit."""
+    evicted past the byte limit. Thread-safe: a checkpoint's flush puts rows on its own thread
+    while the next round gathers."""
 
     def __init__(self):
         self.rows: OrderedDict = OrderedDict()
         self.nbytes = 0
+        self.lock = threading.Lock()
 
     @staticmethod
     def limit() -> int:
         return int(float(os.environ.get("FLOCKFL_ROW_CACHE_MB", "256")) * 2**20)
 
     def get(self, key: tuple, sig: tuple) -> Optional[np.ndarray]:
-        hit = self.rows.get(key)
-        if hit is None or hit[1] != sig:
-            return None
-        self.rows.move_to_end(key)
-        return hit[0]
+        with self.lock:
+            hit = self.rows.get(key)
+            if hit is None or hit[1] != sig:
+                return None
+            self.rows.move_to_end(key)
+            return hit[0]
 
     def put(self, key: tuple, row: np.ndarray, sig: tuple) -> None:
         limit = self.limit()
         if row.nbytes > limit:
             return
-        old = self.rows.pop(key, None)
-        if old is not None:
-            self.nbytes -= old[0].nbytes
-        self.rows[key] = (row, sig)
-        self.nbytes += row.nbytes
-        while self.nbytes > limit:
-            self.nbytes -= self.rows.popitem(last=False)[1][0].nbytes
+        with self.lock:
+            old = self.rows.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[0].nbytes
+            self.rows[key] = (row, sig)
+            self.nbytes += row.nbytes
+            while self.nbytes > limit:
+                self.nbytes -= self.rows.popitem(last=False)[1][0].nbytes
 
 
 def signature(path: Path) -> tuple:

@@ -200,6 +200,37 @@ def save_checkpoint(state: ServerState, run_dir: Path, keep: int = 3) -> Path:
     return path
 
 
+class CheckpointWriter:
+    """A run's checkpoints written behind its rounds: :meth:`submit` hands the write to the process's
+    checkpoint thread (:func:`~flockfl.engine.runtime.in_background`) and returns, and the next
+    round runs meanwhile (states are values: the round after builds new ones and leaves this one
+    as it was). At most one write per run is in flight: the next :meth:`submit`, and :meth:`wait`
+    (the run's end, an error, a crash drill), first wait for it and raise its error, so a failed
+    write fails the run a round later at most. Checkpoints land in round order, each whole or
+    absent as before; a process killed during a write resumes from the checkpoint before it (one
+    round done again, the same bits). ``FLOCKFL_CHECKPOINT=foreground`` writes in the caller."""
+
+    def __init__(self):
+        import os
+
+        self.behind = os.environ.get("FLOCKFL_CHECKPOINT", "behind") != "foreground"
+        self.pending = None
+
+    def submit(self, fn, *args) -> None:
+        self.wait()
+        if not self.behind:
+            fn(*args)
+            return
+        from flockfl.engine.runtime import in_background
+
+        self.pending = in_background(fn, *args, lane="checkpoints")
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.result()
+
+
 class TableIndex:
     """The client tables of the checkpoints this process wrote, by file and its signature (inode,
     size, mtime): garbage collection compares a pruned checkpoint's row digests with the kept

@@ -15,6 +15,7 @@ summary it returns (flows/run_summary.py), its clock (flows/run_clock.py), its c
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 from pathlib import Path
@@ -29,7 +30,7 @@ from flockfl import rounds
 from flockfl.algorithms import auto
 from flockfl.config import ExperimentConfig
 from flockfl.experiments import validate
-from flockfl.state import ServerState
+from flockfl.state import CheckpointWriter, ServerState
 from flows.dask import DaskTraining, dask_cluster, dask_stage, shared_prefect_api
 from flows.leases import release_cores, request_cores, wait_for_cores
 from flows.prefect_patches import heartbeats_without_join, result_keys_without_path_walks
@@ -68,12 +69,13 @@ class RoundHooks:
                  remote: Optional[DaskTraining], bar: Progress, clock: RoundClock, steps: Steps = Steps()):
         self.cfg, self.run_dir, self.tracker, self.remote, self.bar, self.clock = cfg, run_dir, tracker, remote, bar, clock
         self.steps = steps
+        self.writer = CheckpointWriter()  # each checkpoint written while the next round runs
 
     def save(self, st: ServerState) -> None:
         if self.tracker:  # the MLflow run a resume continues (waits for it to exist: by now it does)
             self.tracker.check()  # a failed log fails the run here, not at its end
             st.driver.mlflow_run_id = self.tracker.run_id
-        self.steps(tasks.checkpoint, Q(st), self.run_dir, self.cfg.train.checkpoints_to_keep)
+        self.steps(tasks.checkpoint, Q(self.writer), Q(st), self.run_dir, self.cfg.train.checkpoints_to_keep)
 
     def after_pre_federation(self, st: ServerState) -> None:
         self.save(st)  # resume never redoes it
@@ -141,6 +143,7 @@ def run_body(config: dict, run_dir: str, partitions_root: str, tracking_uri: str
             stages = rounds.PLAIN if steps.plain else task_stages(remote)
             state = rounds.drive(prep, state, stages, on_pre_federation=hooks.after_pre_federation,
                                  on_round=hooks.after_round, on_cycle=hooks.after_cycle)
+            hooks.writer.wait()  # the last checkpoint is on disk
         bar.close()
         # a resume of a run that had already finished must not register its models again
         with timed(phases, "finalise"):
@@ -150,6 +153,8 @@ def run_body(config: dict, run_dir: str, partitions_root: str, tracking_uri: str
                 closing = finalise(prep, state, run_path, tracker, phases)
     except BaseException:
         bar.close()
+        with contextlib.suppress(Exception):  # a write in flight lands (or fails) first: the error is the run's
+            hooks.writer.wait()
         (run_path / "error.log").write_text(traceback.format_exc())
         if tracker:
             tracker.finish("FAILED")

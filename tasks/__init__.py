@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from flockfl import rounds, training
 from flockfl.engine import LocalSpec, TrainResult
 from flockfl.faults import maybe_crash
-from flockfl.state import ServerState, load_latest, save_checkpoint
+from flockfl.state import ServerState, checkpoint_path, load_latest, save_checkpoint
 
 _quiet = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -148,10 +148,16 @@ def evaluate(prep: rounds.PreparedRun, state: ServerState, round: int) -> dict[s
 
 @task(name="checkpoint", **_quiet)
 @timed
-def checkpoint(state: ServerState, run_dir: str, keep: int) -> str:
-    path = save_checkpoint(state, Path(run_dir), keep)
+def checkpoint(writer, state: ServerState, run_dir: str, keep: int) -> str:
+    """Hand the state's checkpoint to the run's writer (:class:`flockfl.state.CheckpointWriter`:
+    written behind the next round); returns the path it is written to."""
+    writer.submit(write_checkpoint, state, run_dir, keep)
+    return str(checkpoint_path(Path(run_dir), state.round))
+
+
+def write_checkpoint(state: ServerState, run_dir: str, keep: int) -> None:
+    save_checkpoint(state, Path(run_dir), keep)
     maybe_crash("checkpoint", state.round - 1)
-    return str(path)
 
 
 @task(name="log_metrics", **_quiet)

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from flockfl import faults
+
 
 # the user's OMP_NUM_THREADS as this process started: a Dask LocalCluster's nannies set
 # OMP_NUM_THREADS=1 in the *driver's* environment (for their workers) whenever they spawn one,
@@ -147,25 +149,39 @@ def in_threads(fn, items) -> list:
     return list(pool.map(fn, items))
 
 
-_behind: "ThreadPoolExecutor | None" = None
+_lanes: dict[str, ThreadPoolExecutor] = {}
 
 
-def in_background(fn, *args):
-    """``fn(*args)`` on the process's one background thread, in the order submitted; returns its
-    future. For work that lets go of the interpreter lock and that the caller needs later, not
-    now (a round's new client-table rows hashed while the round evaluates). Made again in a
-    forked child, as :func:`in_threads`'s pool."""
-    global _behind
+def in_background(fn, *args, lane: str = "digests"):
+    """``fn(*args)`` on the process's background thread for ``lane``, in the order submitted there;
+    returns its future. For work that the caller needs later, not now: a round's new client-table
+    rows hashed while the round evaluates (``digests``), its checkpoint written while the next
+    round runs (``checkpoints``). One thread a lane, so a lane's work waits only for its own;
+    made again in a forked child, as :func:`in_threads`'s pool."""
     with _pool_lock:
-        if _behind is None:
-            _behind = ThreadPoolExecutor(1, thread_name_prefix="flockfl-behind")
-        behind = _behind
-    return behind.submit(fn, *args)
+        if lane not in _lanes:
+            _lanes[lane] = ThreadPoolExecutor(1, thread_name_prefix=f"flockfl-{lane}")
+        pool = _lanes[lane]
+    return pool.submit(fn, *args)
+
+
+def drain_background() -> None:
+    """Wait for the work submitted to every background lane so far (but the calling thread's own
+    lane, which would wait for itself)."""
+    with _pool_lock:
+        lanes = dict(_lanes)
+    me = threading.current_thread().name
+    for lane, pool in lanes.items():
+        if not me.startswith(f"flockfl-{lane}"):
+            pool.submit(lambda: None).result()
+
+
+faults.BEFORE_KILL.append(drain_background)  # a crash drill's point comes after the work in flight
 
 
 def _after_fork() -> None:
-    global _pool, _pool_lock, _behind
-    _pool, _pool_lock, _behind = None, threading.Lock(), None
+    global _pool, _pool_lock, _lanes
+    _pool, _pool_lock, _lanes = None, threading.Lock(), {}
 
 
 os.register_at_fork(after_in_child=_after_fork)
