@@ -208,7 +208,13 @@ class CheckpointWriter:
     (the run's end, an error, a crash drill), first wait for it and raise its error, so a failed
     write fails the run a round later at most. Checkpoints land in round order, each whole or
     absent as before; a process killed during a write resumes from the checkpoint before it (one
-    round done again, the same bits). ``FLOCKFL_CHECKPOINT=foreground`` writes in the caller."""
+    round done again, the same bits). ``FLOCKFL_CHECKPOINT=foreground`` writes in the caller.
+
+    A checkpoint whose unflushed client-table rows (``held``, bytes) are over ``MAX_HELD`` is written
+    in the caller too: written behind, those rows stay in memory through the next round and add to
+    its peak (10,000-client SCAFFOLD, 1,000 a round: 636 MB, peak RSS 5.5 → 6.0 GB)."""
+
+    MAX_HELD = 256 << 20
 
     def __init__(self):
         import os
@@ -216,9 +222,9 @@ class CheckpointWriter:
         self.behind = os.environ.get("FLOCKFL_CHECKPOINT", "behind") != "foreground"
         self.pending = None
 
-    def submit(self, fn, *args) -> None:
+    def submit(self, fn, *args, held: int = 0) -> None:
         self.wait()
-        if not self.behind:
+        if not self.behind or held > self.MAX_HELD:
             fn(*args)
             return
         from flockfl.engine.runtime import in_background
@@ -229,6 +235,11 @@ class CheckpointWriter:
         pending, self.pending = self.pending, None
         if pending is not None:
             pending.result()
+
+
+def unflushed_bytes(state: ServerState) -> int:
+    """The bytes of the state's client-table rows not yet written (its next checkpoint writes them)."""
+    return sum(t.row_nbytes * len(t.dirty) for _, t in tables(state.algo))
 
 
 class TableIndex:

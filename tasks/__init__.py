@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from flockfl import rounds, training
 from flockfl.engine import LocalSpec, TrainResult
 from flockfl.faults import maybe_crash
-from flockfl.state import ServerState, checkpoint_path, load_latest, save_checkpoint
+from flockfl.state import ServerState, checkpoint_path, load_latest, save_checkpoint, unflushed_bytes
 
 _quiet = dict(cache_policy=NO_CACHE, persist_result=False)
 
@@ -151,7 +151,7 @@ def evaluate(prep: rounds.PreparedRun, state: ServerState, round: int) -> dict[s
 def checkpoint(writer, state: ServerState, run_dir: str, keep: int) -> str:
     """Hand the state's checkpoint to the run's writer (:class:`flockfl.state.CheckpointWriter`:
     written behind the next round); returns the path it is written to."""
-    writer.submit(write_checkpoint, state, run_dir, keep)
+    writer.submit(write_checkpoint, state, run_dir, keep, held=unflushed_bytes(state))
     return str(checkpoint_path(Path(run_dir), state.round))
 
 

@@ -48,6 +48,27 @@ def test_foreground_writes_in_the_caller(monkeypatch):
     assert where == [threading.current_thread().name] and writer.pending is None
 
 
+def test_a_checkpoint_holding_many_unflushed_rows_is_written_in_the_caller(tmp_path):
+    """Rows a checkpoint has not written yet stay in memory while it is in flight: past MAX_HELD
+    bytes it is written before the next round (whose peak they would add to)."""
+    from flockfl.clientstate import ClientTable
+    from flockfl.state import ServerState, unflushed_bytes
+
+    import numpy as np
+    import torch
+
+    t = ClientTable(10, {"w": torch.zeros(5)}).scatter([1, 2, 3], {"w": torch.ones(3, 5)})
+    state = ServerState(0, {"x": torch.zeros(1, 2)}, np.zeros(10, np.int64), np.zeros((0, 10), np.int64), algo={"t": t})
+    assert unflushed_bytes(state) == 3 * 5 * 4
+    t.flush(tmp_path)
+    assert unflushed_bytes(state) == 0
+    writer, where = CheckpointWriter(), []
+    writer.submit(lambda: where.append(threading.current_thread().name), held=CheckpointWriter.MAX_HELD + 1)
+    writer.submit(lambda: where.append(threading.current_thread().name), held=CheckpointWriter.MAX_HELD)
+    writer.wait()
+    assert where[0] == threading.current_thread().name and where[1].startswith("flockfl-checkpoints")
+
+
 @pytest.mark.parametrize("algo", ["scaffold", "fedac"])
 def test_rounds_overlapping_slow_writes_give_the_foreground_run(algo, tmp_path, monkeypatch):
     """Every write made slow, so the next round gathers and scatters the client table while the
