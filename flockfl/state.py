@@ -22,6 +22,7 @@ import torch
 from flockfl.errors import CheckpointError
 from flockfl.files import atomic_write
 from flockfl.clientstate import ClientTable, collect_garbage, flush_all, table_root, tables
+from flockfl.rowfiles import signature
 
 MAGIC = b"FLOCKFL-CKPT-1\n"
 CKPT_RE = re.compile(r"^ckpt-(\d{6})\.pt$")
@@ -212,7 +213,7 @@ class CheckpointWriter:
 
     A checkpoint whose unflushed client-table rows (``held``, bytes) are over ``MAX_HELD`` is written
     in the caller too: written behind, those rows stay in memory through the next round and add to
-    its peak (10,000-client SCAFFOLD, 1,000 a round: 636 MB, peak RSS 5.5 → 6.0 GB)."""
+    its peak (10,000-client SCAFFOLD, 1,000 a round: 636 MB; docs/benchmarks.md)."""
 
     MAX_HELD = 256 << 20
 
@@ -258,7 +259,7 @@ class TableIndex:
 
     def put(self, path: Path, algo: dict) -> None:
         try:
-            sig = _signature(path)
+            sig = signature(path)
         except OSError:
             return
         held = {name: t for name, t in tables(algo)}
@@ -270,17 +271,12 @@ class TableIndex:
     def get(self, path: Path) -> Optional[dict]:
         hit = self.entries.get(str(path))
         try:
-            return hit[1] if hit is not None and hit[0] == _signature(path) else None
+            return hit[1] if hit is not None and hit[0] == signature(path) else None
         except OSError:
             return None
 
     def drop(self, path: Path) -> None:
         self.entries.pop(str(path), None)
-
-
-def _signature(path: Path) -> tuple:
-    st = Path(path).stat()
-    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 WRITTEN_TABLES = TableIndex()
