@@ -20,11 +20,13 @@ signal again a few milliseconds later, out of the lock's code; waits are interru
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import queue
 import signal
 import threading
+import time
 
 _SEEN = threading.Event()
 
@@ -38,13 +40,27 @@ def _in_lock_code(frame) -> bool:
     return code is not None and code.co_filename in _LOCK_FILES and code.co_name not in _WAITS
 
 
+def _in_handler(frame) -> bool:
+    """Whether ``frame`` is this handler's own (a signal sent again arrived before it returned)."""
+    code = getattr(frame, "f_code", None)
+    return code is not None and code.co_filename == __file__ and code.co_name == "lock_safe_sigint"
+
+
 def lock_safe_sigint(signum, frame):
     """Python's Ctrl-C (``KeyboardInterrupt``), except inside ``threading``/``queue`` lock code,
-    where the signal comes again ``RETRY_S`` later (see the module's docstring)."""
-    if _in_lock_code(frame):
-        threading.Timer(RETRY_S, os.kill, (os.getpid(), signum)).start()
+    where the signal comes again ``RETRY_S`` later (see the module's docstring). The handler
+    itself waits for nothing (a bare thread sends the signal again: ``threading.Thread.start``
+    would wait for the thread to start, and the signal could come back inside that wait, still
+    in the lock's code), and a signal that comes back before it returned is put off again."""
+    if _in_lock_code(frame) or _in_handler(frame):
+        _thread.start_new_thread(_send_again, (signum, RETRY_S))
         return
     raise KeyboardInterrupt
+
+
+def _send_again(signum: int, delay: float) -> None:
+    time.sleep(delay)
+    os.kill(os.getpid(), signum)
 
 
 def install_lock_safe_sigint() -> None:
