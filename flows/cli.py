@@ -225,13 +225,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flockfl: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        hint = ("the same command again continues it (finished runs are kept, the cut one resumes)"
-                if args.command in ("sweep", "repro") else "continue with flockfl resume RUN_DIR")
-        print(f"flockfl: interrupted; {hint}", file=sys.stderr)
-        return 130
+        return _interrupted(args)
     except BrokenPipeError:
         raise  # entry() leaves quietly
     except Exception as err:  # unexpected: one line, the traceback kept on disk
+        from flows.interrupt import from_keyboard_interrupt
+
+        if from_keyboard_interrupt(err):  # a Ctrl-C that Prefect's crash handling turned into its own error
+            return _interrupted(args)
         if os.environ.get("FLOCKFL_DEBUG"):
             raise
         log = _error_log(args)
@@ -242,6 +243,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("run", "resume") and os.environ.get("FLOCKFL_TIMING"):
             print(f"flockfl: {time.perf_counter() - t0:.1f}s in main", file=sys.stderr)
     return 0
+
+
+def _interrupted(args) -> int:
+    hint = ("the same command again continues it (finished runs are kept, the cut one resumes)"
+            if args.command in ("sweep", "repro") else "continue with flockfl resume RUN_DIR")
+    print(f"flockfl: interrupted; {hint}", file=sys.stderr)
+    return 130
 
 
 def enter_project(parser: argparse.ArgumentParser, args) -> None:

@@ -102,15 +102,24 @@ def sigint_seen() -> bool:
     return _SEEN.is_set()
 
 
+def from_keyboard_interrupt(err: BaseException) -> bool:
+    """Whether a ``KeyboardInterrupt`` is in ``err``'s chain of causes and contexts: a Ctrl-C that
+    landed in Prefect's task engine before its task run existed comes out as Prefect's own
+    ``ValueError: Task run is not set``, raised while it handled the interrupt."""
+    return _in_chain(err, (KeyboardInterrupt,))
+
+
 def interrupted(err: BaseException) -> bool:
     """Whether ``err`` comes of an interrupt: a SIGINT seen by :func:`watch`, or a
     ``KeyboardInterrupt`` or ``SystemExit`` in its chain of causes and contexts."""
-    if _SEEN.is_set():
-        return True
+    return _SEEN.is_set() or _in_chain(err, (KeyboardInterrupt, SystemExit))
+
+
+def _in_chain(err: BaseException, kinds: tuple) -> bool:
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+        if isinstance(e, kinds):
             return True
         seen.add(id(e))
         e = e.__cause__ or e.__context__

@@ -27,6 +27,26 @@ def test_an_error_raised_while_handling_an_interrupt_is_an_interrupt():
     assert not interrupt.interrupted(RuntimeError("plain"))
 
 
+def test_a_command_whose_error_comes_of_a_ctrl_c_exits_as_interrupted(monkeypatch, capsys, tmp_path):
+    """A Ctrl-C that lands in Prefect's task engine before its task run exists comes out as Prefect's
+    ``ValueError: Task run is not set`` (seen once through the resident): the command still says
+    it was interrupted and exits 130; the same error without an interrupt behind it is an error."""
+    from flows import cli
+
+    assert interrupt.from_keyboard_interrupt(_chained(KeyboardInterrupt()))
+    assert not interrupt.from_keyboard_interrupt(_chained(SystemExit(130)))
+    assert not interrupt.from_keyboard_interrupt(ValueError("Task run is not set"))
+    monkeypatch.chdir(tmp_path)
+    for err, code, said in ((_chained(KeyboardInterrupt()), 130, "interrupted; continue with flockfl resume"),
+                            (ValueError("Task run is not set"), 1, "error: ValueError: Task run is not set")):
+        def failing(args, err=err):
+            raise err
+
+        monkeypatch.setattr(cli, "cmd_run", failing)
+        assert cli.main(["run", "demo", "--no-progress"]) == code
+        assert said in capsys.readouterr().err
+
+
 @pytest.fixture
 def sigint_default():
     """Python's own SIGINT handler for the test: a pytest-xdist worker starts with SIGINT
