@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from flockfl.errors import CheckpointError
 from flockfl.files import atomic_write
 from flockfl.clientstate import ClientTable, collect_garbage, flush_all, table_root, tables
+from flockfl.engine.runtime import in_background
 from flockfl.rowfiles import signature
 
 MAGIC = b"FLOCKFL-CKPT-1\n"
@@ -189,10 +191,10 @@ def save_checkpoint(state: ServerState, run_dir: Path, keep: int = 3) -> Path:
     atomic_write(path, encode_state(state), state.round - 1)
     ckpts = list_checkpoints(run_dir)
     pruned, kept = ckpts[:-keep], ckpts[-keep:]
-    rows = any(True for _ in tables(state.algo))
-    if rows:
-        WRITTEN_TABLES.put(path, state.algo)
-    pruned_algos = [_algo_of(p, run_dir) for p in pruned] if rows else []  # read before they go
+    held = dict(tables(state.algo))
+    if held:
+        WRITTEN_TABLES.put(path, held)
+    pruned_algos = [_algo_of(p, run_dir) for p in pruned] if held else []  # read before they go
     for old in pruned:
         old.unlink(missing_ok=True)
         WRITTEN_TABLES.drop(old)
@@ -218,8 +220,6 @@ class CheckpointWriter:
     MAX_HELD = 256 << 20
 
     def __init__(self):
-        import os
-
         self.behind = os.environ.get("FLOCKFL_CHECKPOINT", "behind") != "foreground"
         self.pending = None
 
@@ -228,8 +228,6 @@ class CheckpointWriter:
         if not self.behind or held > self.MAX_HELD:
             fn(*args)
             return
-        from flockfl.engine.runtime import in_background
-
         self.pending = in_background(fn, *args, lane="checkpoints")
 
     def wait(self) -> None:
@@ -257,12 +255,12 @@ class TableIndex:
     def __init__(self):
         self.entries: dict[str, tuple[tuple, dict, int]] = {}
 
-    def put(self, path: Path, algo: dict) -> None:
+    def put(self, path: Path, held: dict[str, ClientTable]) -> None:
+        """Keep ``held`` (the state's tables by dotted path, as :func:`tables` walks them) for ``path``."""
         try:
             sig = signature(path)
         except OSError:
             return
-        held = {name: t for name, t in tables(algo)}
         self.drop(path)
         self.entries[str(path)] = (sig, held, sum(t.digests.nbytes + t.has.nbytes for t in held.values()))
         while sum(e[2] for e in self.entries.values()) > self.LIMIT_BYTES:
