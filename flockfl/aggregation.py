@@ -8,6 +8,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from flockfl.engine.dense import LowRankWeight
+
 
 def mean_weights(counts: np.ndarray, how: str, device: Optional[torch.device] = None) -> torch.Tensor:
     """p_i ∝ n_i (``how='samples'``) or uniform (``'uniform'``): float32, summing to 1."""
@@ -17,9 +19,13 @@ def mean_weights(counts: np.ndarray, how: str, device: Optional[torch.device] = 
 
 def weighted_mean(params: dict[str, torch.Tensor], w: torch.Tensor) -> dict[str, torch.Tensor]:
     """Σ_i w_i θ_i over the leading axis of stacked parameters ``params`` ([n, ...] each):
-    one matrix-vector product per tensor, in the parameters' dtype and on their device."""
+    one matrix-vector product per tensor, in the parameters' dtype and on their device. A
+    weight still held as low-rank factors (``TrainResult.raw_params``) is reduced on them."""
     out = {}
     for k, v in params.items():
+        if isinstance(v, LowRankWeight):
+            out[k] = v.weighted_mean(w)
+            continue
         flat = v.reshape(len(w), -1)
         out[k] = (w.to(device=flat.device, dtype=flat.dtype) @ flat).reshape(v.shape[1:])
     return out

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
-import torch
 
 from flockfl.algorithms import ALGORITHMS
 from flockfl.context import RunContext
@@ -28,8 +27,7 @@ def train_shard(ctx: RunContext, spec: LocalSpec, engine: str, round: int, stage
     if bad:
         raise ClientFailure(f"simulated failure of clients {bad}")
     result = TRAINERS[engine](ctx.model, spec, ctx.data.train, ctx.data.task, ctx.seed, round)
-    # a sum is non-finite iff some entry is (inf − inf gives nan): one read, no mask tensor
-    finite = torch.stack([torch.isfinite(v.reshape(len(result.clients), -1).sum(1)) for v in result.params.values()]).all(0)
+    finite = result.finite()
     if not bool(finite.all()):
         raise ClientFailure(f"non-finite parameters from clients {result.clients[~finite.cpu().numpy()].tolist()}")
     for st in stages:

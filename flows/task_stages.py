@@ -46,6 +46,6 @@ def _train(prep: rounds.PreparedRun, spec, engine: str, r: int) -> tuple[Optiona
             # one shard at a time, in this thread: torch's intra-op pool is warm here, and a
             # worker thread measured ~40% slower per step on 2 cores
             states = [train(Q(prep), Q(shard), engine, r, return_state=True) for shard in shards]
-        return [st.result() if st.is_completed() else None for st in states]
+        return [st.result().unquote() if st.is_completed() else None for st in states]
 
     return training.shard_loop(spec, cfg.shard_size, run, lambda shard: tasks.isolate_failures(Q(prep), Q(shard), engine, r))

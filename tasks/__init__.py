@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.utilities.annotations import quote
 
 from flockfl import rounds, training
 from flockfl.engine import LocalSpec, TrainResult
@@ -94,8 +95,11 @@ def select(prep: rounds.PreparedRun, state: ServerState, round: int) -> tuple[Se
 
 @task(name="train_shard", **_quiet)
 @timed
-def train_shard(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int) -> TrainResult:
-    return training.train_shard(prep.ctx, spec, engine, round, tuple(prep.stages.values()))
+def train_shard(prep: rounds.PreparedRun, spec: LocalSpec, engine: str, round: int) -> "quote[TrainResult]":
+    """The shard's result, quoted: Prefect links a task's result to its state by walking it one
+    level deep, and reading ``TrainResult.params`` would write out the low-rank weights that the
+    aggregate reduces on their factors (``TrainResult.raw_params``). ``.unquote()`` it."""
+    return quote(training.train_shard(prep.ctx, spec, engine, round, tuple(prep.stages.values())))
 
 
 def _retry_unless_setup_error(task, task_run, state) -> bool:

@@ -205,7 +205,7 @@ class Algorithm:
     def pseudo_gradient(self, state: ServerState, result: TrainResult) -> dict[str, torch.Tensor]:
         """Δ = Σ_i p_i (x − x_i) over the trained clients (positive in the descent direction),
         with p_i from ``algorithm.weighting``."""
-        mean = weighted_mean(result.params, self.weights(result, np.arange(len(result.clients))))
+        mean = weighted_mean(result.raw_params, self.weights(result, np.arange(len(result.clients))))
         return {k: v[0] - mean[k].reshape(v[0].shape) for k, v in state.models.items()}
 
     def cluster(self, state: ServerState, ctx: RunContext, spec: LocalSpec, result: TrainResult) -> np.ndarray:
@@ -215,7 +215,7 @@ class Algorithm:
 
     def weights(self, result: TrainResult, members: np.ndarray) -> torch.Tensor:
         """p_i of the listed members (float32, summing to 1), on the device of the trained parameters."""
-        return mean_weights(result.num_samples[members], self.weighting, next(iter(result.params.values())).device)
+        return mean_weights(result.num_samples[members], self.weighting, next(iter(result.raw_params.values())).device)
 
     def aggregate(self, state: ServerState, ctx: RunContext, spec: LocalSpec, result: TrainResult,
                   assign: np.ndarray) -> ServerState:
@@ -226,7 +226,8 @@ class Algorithm:
             if len(members) == 0:
                 continue
             everyone = len(members) == len(result.clients)
-            mean = weighted_mean(rows(result.params, None if everyone else members), self.weights(result, members))
+            # everyone: a low-rank layer's weight is averaged on its factors (TrainResult.raw_params)
+            mean = weighted_mean(result.raw_params if everyone else rows(result.params, members), self.weights(result, members))
             for k in models:
                 models[k][j] = mean[k]
         return self._with_assignments(state, models, result.clients, assign)

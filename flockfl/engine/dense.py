@@ -144,19 +144,77 @@ class _Layer:
         self.to_dense()
         return self.base
 
+    def result(self) -> "torch.Tensor | LowRankWeight":
+        """The layer's final stacked weight: the factors themselves where it is still low-rank with
+        one shared start (written out only when read, :class:`LowRankWeight`), else the dense one."""
+        if self.lowrank and self.rank and len(self.segments) == 1:
+            return LowRankWeight(self.bases[0], self.D[:, : self.rank], self.A[:, : self.rank], self.lr)
+        return self.weight()
+
+
+class LowRankWeight:
+    """A stacked [C, out, in] weight held as its factors: client c's weight is base − η·D_cᵀ·A_c
+    (a low-rank layer's clients, all from one shared start). :meth:`dense` writes it out with
+    the bits of :meth:`_Layer.to_dense`; :meth:`weighted_mean` reduces it without writing it:
+    Σ_c w_c·base − η·(Σ_c w_c·D_cᵀA_c) is one GEMM over all clients' factors, [out, C·R] @
+    [C·R, in] (W1: 17 ms against 60 ms to write 120 dense weights and 14 ms to average them)."""
+
+    def __init__(self, base: torch.Tensor, D: torch.Tensor, A: torch.Tensor, lr: float):
+        self.base, self.D, self.A, self.lr = base, D, A, lr
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.D.shape[0], *self.base.shape))
+
+    def __len__(self) -> int:
+        return self.D.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.D.device
+
+    def dense(self) -> torch.Tensor:
+        w = torch.cat([self.base.expand(*self.shape)])
+        return w.baddbmm_(self.D.transpose(1, 2), self.A, alpha=-self.lr)
+
+    def weighted_mean(self, w: torch.Tensor) -> torch.Tensor:
+        """Σ_c w_c·(base − η·D_cᵀA_c), as :func:`flockfl.aggregation.weighted_mean` of the
+        written-out weight up to rounding."""
+        w = w.to(device=self.D.device, dtype=self.D.dtype)
+        dw = (self.D * w.view(-1, 1, 1)).reshape(-1, self.D.shape[-1])  # [C·R, out]
+        return torch.addmm(self.base * w.sum(), dw.T, self.A.reshape(-1, self.A.shape[-1]), alpha=-self.lr)
+
+    def finite(self) -> torch.Tensor:
+        """[C] bool: whether each client's weight is finite, read off the factors. Finite factors
+        give a finite weight unless base + η·R·max|D_c|·max|A_c| could pass float's range; such
+        clients (none in a sane run) are written out and checked entry by entry."""
+        c = len(self)
+        dmax = self.D.reshape(c, -1).abs().amax(1)
+        amax = self.A.reshape(c, -1).abs().amax(1)
+        bound = self.base.abs().amax() + abs(self.lr) * self.D.shape[1] * dmax.double() * amax.double()
+        ok = torch.isfinite(bound) & (bound < torch.finfo(self.D.dtype).max / 2)
+        unsure = torch.nonzero(~ok & torch.isfinite(dmax) & torch.isfinite(amax)).flatten()
+        if len(unsure):
+            part = LowRankWeight(self.base, self.D[unsure], self.A[unsure], self.lr).dense()
+            ok[unsure] = torch.isfinite(part.reshape(len(unsure), -1)).all(1)
+        return ok
+
 
 class DenseCohort:
     """SGD for a cohort of dense stacks, one call to :meth:`step` per local step."""
 
     def __init__(self, init: dict[str, torch.Tensor], layers: list[str], lr: float, batch: int,
-                 segments: Optional[tuple[list[slice], set[str]]] = None):
+                 segments: Optional[tuple[list[slice], set[str]]] = None, steps: Optional[int] = None):
         """``segments``: (the cells' slices of the client axis, the entries each starts shared)
-        where the cohort is several cells' (:mod:`flockfl.engine.stacking`)."""
+        where the cohort is several cells' (:mod:`flockfl.engine.stacking`). ``steps``: the pass's
+        length where known: a low-rank layer keeps room for that many steps' factors only (then
+        they fill it, and the mean on them reads them in place: W1's 19 MB copy less a round)."""
         self.names = layers
         self.layers = []
         for name in layers:
             w = init[f"{name}.weight"]
-            self.layers.append(_Layer(w, init.get(f"{name}.bias"), max_rank(w, batch), batch, lr, *(
+            cap = max_rank(w, batch) if steps is None else min(max_rank(w, batch), steps * batch)
+            self.layers.append(_Layer(w, init.get(f"{name}.bias"), cap, batch, lr, *(
                 (segments[0], f"{name}.weight" in segments[1]) if segments else ())))
 
     @torch.no_grad()
@@ -189,10 +247,12 @@ class DenseCohort:
             delta = nxt
         return loss
 
-    def params(self) -> dict[str, torch.Tensor]:
+    def params(self, factored: bool = False) -> dict[str, "torch.Tensor | LowRankWeight"]:
+        """The cohort's stacked parameters; ``factored``: low-rank weights as their factors
+        (:class:`LowRankWeight`, for :class:`flockfl.engine.TrainResult` to write out when read)."""
         out = {}
         for name, layer in zip(self.names, self.layers):
-            out[f"{name}.weight"] = layer.weight()
+            out[f"{name}.weight"] = layer.result() if factored else layer.weight()
             if layer.bias is not None:
                 out[f"{name}.bias"] = layer.bias
         return out

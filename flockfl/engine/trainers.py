@@ -20,7 +20,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from flockfl.engine.bn import calibrate_bn, calibrate_bn_loop  # noqa: F401 (re-exported: the callers' import)
 from flockfl.engine.data import Split
-from flockfl.engine.dense import DenseCohort, dense_layers, low_rank
+from flockfl.engine.dense import DenseCohort, LowRankWeight, dense_layers, low_rank
 from flockfl.engine.functional import per_sample_loss, stack, stacked_plan, stacked_step
 from flockfl.engine.schedule import LocalSpec, cohort_schedule, restrict, stack_schedule
 from flockfl.engine.update import GradientTerms
@@ -38,6 +38,21 @@ class TrainResult:
     num_steps: np.ndarray  # local steps actually taken
     loss: np.ndarray  # mean training loss over the local steps
     meta: dict = field(default_factory=dict)
+
+    @property
+    def raw_params(self) -> dict:
+        """``params`` as the trainer left them: a low-rank layer's weight may still be its factors
+        (:class:`LowRankWeight`), which :func:`flockfl.aggregation.weighted_mean` reduces without
+        writing out. Reading ``params`` writes them out (once)."""
+        return self.__dict__["_params"]
+
+    def finite(self) -> torch.Tensor:
+        """[clients] bool: whether every parameter of each client is finite (a factored weight is
+        checked on its factors, :meth:`LowRankWeight.finite`)."""
+        n = len(self.clients)
+        # a sum is non-finite iff some entry is (inf − inf gives nan): one read, no mask tensor
+        return torch.stack([v.finite() if isinstance(v, LowRankWeight) else torch.isfinite(v.reshape(n, -1).sum(1))
+                            for v in self.raw_params.values()]).all(0)
 
     @staticmethod
     def concat(parts: list["TrainResult"]) -> "TrainResult":
@@ -65,6 +80,22 @@ class TrainResult:
                     else rows(v) if isinstance(v, (np.ndarray, torch.Tensor)) else v) for k, v in self.meta.items()}
         return TrainResult(self.clients[order], {k: rows(v) for k, v in self.params.items()}, self.num_samples[order],
                            self.num_steps[order], self.loss[order], meta)
+
+
+def _params(self) -> dict[str, torch.Tensor]:
+    raw = self.__dict__["_params"]
+    if any(isinstance(v, LowRankWeight) for v in raw.values()):
+        raw = self.__dict__["_params"] = {k: v.dense() if isinstance(v, LowRankWeight) else v for k, v in raw.items()}
+    return raw
+
+
+def _set_params(self, value: dict) -> None:
+    self.__dict__["_params"] = value
+
+
+# stacked final parameters, written out when first read (a dataclass field with a property: the
+# generated __init__, replace and pickling all go through it)
+TrainResult.params = property(_params, _set_params)
 
 
 def _concat_meta(parts: list):
@@ -270,10 +301,10 @@ def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, 
     if layers is not None:
         # keep broadcast inits broadcast (a shared start enables the low-rank layers)
         init = {k: (v[:1].to(device).expand_as(v) if v.stride(0) == 0 else v.to(device)) for k, v in spec.init.items()}
-        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2], segments)
+        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2], segments, sched.steps)
         for s in range(sched.steps):
             total += cohort.step(data.x[index[s]], data.y[index[s]], weight[s], task)
-        params = cohort.params()
+        params = cohort.params(factored=True)
     else:
         params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
         frozen = stat_names(model)

@@ -1,0 +1,160 @@
+"""A low-rank layer's weight leaves the cohort trainer as its factors (``LowRankWeight``): the
+FedAvg mean is taken on them, anything else that reads ``TrainResult.params`` gets the weight
+written out with the same bits as before, and the finite check reads the factors."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from flockfl.aggregation import mean_weights, weighted_mean
+from flockfl.engine import LocalSpec, train_cohort
+from flockfl.engine.dense import DenseCohort, LowRankWeight
+from flockfl.engine.trainers import TrainResult
+from models import build_model, init_params
+from flockfl.rng import torch_generator
+
+from test_engine import random_clients
+
+
+def shared_start(n: int = 6, hidden: int = 32, steps: int = 3, batch: int = 4):
+    data = random_clients([9, 17, 30, 12, 23, 14][:n])
+    model = build_model("mlp", (1, 8, 8), 10, hidden)
+    base = init_params(model, torch_generator(2, purpose="init"))
+    init = {k: v.unsqueeze(0).expand(n, *v.shape) for k, v in base.items()}
+    return model, data, LocalSpec(np.arange(n), init, 0.1, steps=steps, batch_size=batch)
+
+
+def test_the_trainer_leaves_the_low_rank_weight_factored_and_params_writes_it_out_with_the_old_bits():
+    model, data, spec = shared_start()
+    res = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="dense")
+    assert isinstance(res.raw_params["1.weight"], LowRankWeight)  # 64→32: rank 12 ≤ cap 16
+    assert isinstance(res.raw_params["3.weight"], torch.Tensor)  # 32→10: dense from the start
+    # the written-out weight is exactly what the cohort's own dense write-out gives
+    cohort = DenseCohort(spec.init, ["1", "3"], 0.1, 4)
+    from flockfl.engine.schedule import cohort_schedule, stack_schedule
+
+    sched = stack_schedule(cohort_schedule(spec, data.train.sizes, 1, 0), data.train.offsets, spec.clients)
+    for s in range(sched.steps):
+        cohort.step(data.train.x[sched.index[s]], data.train.y[sched.index[s]], sched.weight[s], data.task)
+    old = cohort.params()
+    dense = res.params
+    for k in old:
+        assert torch.equal(dense[k], old[k]), k
+    assert res.params is dense and not any(isinstance(v, LowRankWeight) for v in res.raw_params.values())
+
+
+def test_the_mean_on_the_factors_is_the_mean_of_the_written_out_weights():
+    model, data, spec = shared_start()
+    res = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="dense")
+    w = mean_weights(res.num_samples, "samples")
+    fast = weighted_mean(res.raw_params, w)
+    slow = weighted_mean(res.params, w)
+    for k in slow:
+        torch.testing.assert_close(fast[k], slow[k], rtol=1e-5, atol=1e-6)
+    # and the clients moved: the mean is not the shared start
+    assert (fast["1.weight"] - spec.init["1.weight"][0]).abs().max() > 1e-3
+
+
+def test_pickling_and_replace_keep_the_result():
+    model, data, spec = shared_start()
+    res = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="dense")
+    back = pickle.loads(pickle.dumps(res))  # a Dask worker's result crosses as a pickle
+    assert isinstance(back.raw_params["1.weight"], LowRankWeight)
+    torch.testing.assert_close(back.params["1.weight"], res.params["1.weight"], rtol=0, atol=0)
+    moved = dataclasses.replace(res, loss=res.loss * 0)
+    assert torch.equal(moved.params["1.weight"], res.params["1.weight"])
+
+
+def _factored(D: torch.Tensor, A: torch.Tensor, base: torch.Tensor | None = None) -> LowRankWeight:
+    return LowRankWeight(torch.zeros(D.shape[2], A.shape[2]) if base is None else base, D, A, 0.5)
+
+
+def test_finite_reads_the_factors_and_writes_out_only_the_clients_it_cannot_bound():
+    g = torch.Generator().manual_seed(0)
+    D, A = torch.randn(4, 3, 5, generator=g), torch.randn(4, 3, 7, generator=g)
+    D[1, 0, 2] = float("nan")
+    A[2, 1, 0] = float("inf")
+    # client 3: finite factors whose product overflows float32 (each 1e20, 3 terms of 1e40)
+    D[3], A[3] = 1e20, 1e20
+    got = _factored(D, A).finite()
+    assert got.tolist() == [True, False, False, False]
+    exact = torch.isfinite(_factored(D, A).dense().reshape(4, -1)).all(1)
+    assert got.tolist() == exact.tolist()
+    # large but representable: bounded out of range, written out, and found finite
+    D[3], A[3] = 1e17, 1e17
+    assert _factored(D, A).finite()[3]
+    base = torch.zeros(5, 7)
+    base[0, 0] = float("nan")  # a bad shared start: every client
+    assert not _factored(D, A, base).finite().any()
+
+
+def test_a_diverging_client_is_still_caught_by_the_shard_check():
+    result = TrainResult(np.arange(4), {"w": _factored(torch.ones(4, 2, 3), torch.ones(4, 2, 2))},
+                         np.ones(4, np.int64), np.ones(4, np.int64), np.zeros(4))
+    result.raw_params["w"].D[2, 0, 0] = float("inf")
+    assert result.finite().tolist() == [True, True, False, True]
+
+
+@pytest.mark.parametrize("clients", [6, 12])
+def test_fedavg_rounds_with_factored_means_track_the_written_out_means(clients, tmp_path):
+    """A whole FedAvg run (the MLP with a low-rank first layer) against the same run with every
+    weight written out before its mean: the same model up to float rounding."""
+    from flockfl.experiments import validate
+    from flockfl.rounds import prepare, run_rounds
+
+    from conftest import tiny_config
+
+    cfg = validate(tiny_config(model={"name": "mlp", "hidden": 64}, train={
+        "rounds": 3, "clients_per_round": clients, "batch_size": 4, "local_steps": 5, "engine": "vectorized"}))
+    runs = {}
+    for how in ("factored", "written"):
+        prep = prepare(cfg, tmp_path / how)
+        if how == "written":
+            agg = prep.algorithm.aggregate
+
+            def written(state, ctx, spec, result, assign, agg=agg):
+                result.params  # noqa: B018 (reading them writes them out)
+                assert not any(isinstance(v, LowRankWeight) for v in result.raw_params.values())
+                return agg(state, ctx, spec, result, assign)
+
+            prep.algorithm.aggregate = written
+        if how == "factored":  # the setting does take the low-rank path (rank 20 ≤ cap 32 of the 64→64 layer)
+            state = prep.algorithm.init_state(prep.ctx)
+            spec = prep.algorithm.local_spec(state, prep.ctx, np.arange(clients), 0)
+            res = train_cohort(prep.ctx.model, spec, prep.ctx.data.train, prep.ctx.data.task, 0, 0)
+            assert isinstance(res.raw_params["1.weight"], LowRankWeight)
+        runs[how] = run_rounds(prep)
+    for k, v in runs["written"].models.items():
+        torch.testing.assert_close(runs["factored"].models[k], v, rtol=1e-4, atol=1e-6)
+
+
+def test_the_prefect_flow_hands_the_factors_to_the_aggregate(tmp_path, monkeypatch):
+    """Through ``flockfl``'s flow (real Prefect tasks): every round's mean is taken on the factors,
+    and nothing writes the weights out (Prefect's result linking reads a task result's fields)."""
+    from flockfl.experiments import validate
+    from flows.experiment import run_experiment
+
+    from conftest import tiny_config
+
+    calls = {"mean": 0, "dense": 0}
+    mean, dense = LowRankWeight.weighted_mean, LowRankWeight.dense
+
+    def counted(name, fn):
+        def wrapper(self, *args):
+            calls[name] += 1
+            return fn(self, *args)
+        return wrapper
+
+    monkeypatch.setattr(LowRankWeight, "weighted_mean", counted("mean", mean))
+    monkeypatch.setattr(LowRankWeight, "dense", counted("dense", dense))
+    cfg = validate(tiny_config(model={"name": "mlp", "hidden": 64}, train={
+        "rounds": 2, "clients_per_round": 6, "batch_size": 4, "local_steps": 5, "engine": "vectorized",
+        "eval_finetune": "off"}))
+    (tmp_path / "run").mkdir()
+    run_experiment(cfg, tmp_path / "run", str(tmp_path / "parts"), f"sqlite:///{tmp_path}/m.db", progress=False)
+    assert calls == {"mean": 2, "dense": 0}
