@@ -88,6 +88,9 @@ def test_finite_reads_the_factors_and_writes_out_only_the_clients_it_cannot_boun
     # large but representable: bounded out of range, written out, and found finite
     D[3], A[3] = 1e17, 1e17
     assert _factored(D, A).finite()[3]
+    # a norm past float's range (1e20² overflows) from a finite product (1e20 · 1e-20): checked exactly, finite
+    D[3], A[3] = 1e20, 1e-20
+    assert _factored(D, A).finite()[3]
     base = torch.zeros(5, 7)
     base[0, 0] = float("nan")  # a bad shared start: every client
     assert not _factored(D, A, base).finite().any()
@@ -158,3 +161,80 @@ def test_the_prefect_flow_hands_the_factors_to_the_aggregate(tmp_path, monkeypat
     (tmp_path / "run").mkdir()
     run_experiment(cfg, tmp_path / "run", str(tmp_path / "parts"), f"sqlite:///{tmp_path}/m.db", progress=False)
     assert calls == {"mean": 2, "dense": 0}
+
+
+@pytest.mark.parametrize("steps", [np.array([1, 3, 6, 0, 4]), np.array([2, 2, 2, 2, 2]), np.array([9, 9, 1, 9, 5])])
+def test_scaffold_correction_beside_the_factors_matches_the_reference(steps):
+    """SCAFFOLD's step y ← y − η(g + c − c_i) from a shared start: the low-rank layer keeps the
+    correction beside its factors (−η·s_c·(c − c_i) after s_c steps of client c, counted only while
+    it steps), the dense layers subtract it each step; against the per-client reference loop, with
+    clients of unequal steps and one that takes none (it must not move). 9 steps × 4 pass the rank
+    cap (16) of the 64→32 layer: it is written out mid-pass and goes on dense."""
+    from flockfl.engine import train_reference
+
+    from conftest import rel_err
+
+    data = random_clients([9, 17, 30, 12, 23])
+    model = build_model("mlp", (1, 8, 8), 10, 32)
+    base = init_params(model, torch_generator(2, purpose="init"))
+    init = {k: v.unsqueeze(0).expand(5, *v.shape) for k, v in base.items()}
+    g = torch.Generator().manual_seed(3)
+    corr = {k: 0.1 * torch.randn(5, *v.shape, generator=g) for k, v in base.items()}
+    spec = LocalSpec(np.arange(5), init, 0.05, batch_size=4, client_steps=steps, correction=corr)
+    ref = train_reference(model, spec, data.train, data.task, seed=0, round=1)
+    vec = train_cohort(model, spec, data.train, data.task, seed=0, round=1, method="dense")
+    np.testing.assert_array_equal(vec.num_steps, ref.num_steps)
+    factored = isinstance(vec.raw_params["1.weight"], LowRankWeight)
+    assert factored == (steps.max() * 4 <= 16)
+    if factored:
+        w = mean_weights(vec.num_samples, "uniform")
+        fast = weighted_mean(vec.raw_params, w)["1.weight"]
+    assert rel_err(vec.params, ref.params) < 1e-5
+    np.testing.assert_allclose(vec.loss, ref.loss, rtol=1e-4)
+    if factored:
+        torch.testing.assert_close(fast, weighted_mean(vec.params, w)["1.weight"], rtol=1e-5, atol=1e-6)
+    for k in init:
+        if steps[3] == 0:  # no step: exactly where it started, correction and all
+            torch.testing.assert_close(vec.params[k][3], init[k][3], rtol=0, atol=0)
+    # the correction did something: without it the clients end elsewhere
+    plain = train_cohort(model, LocalSpec(np.arange(5), init, 0.05, batch_size=4, client_steps=steps),
+                         data.train, data.task, seed=0, round=1, method="dense")
+    assert rel_err(plain.params, ref.params) > 1e-3
+
+
+@pytest.mark.parametrize("option", ["II", "I"])
+def test_scaffold_rounds_on_the_factors_track_the_written_out_rounds(option, tmp_path):
+    """SCAFFOLD from the factors (the mean Δx on them, option II's c_i⁺ = Σ_t g_t / K_i read off
+    D_iᵀA_i) against the same rounds with every y_i written out first (the formula
+    c_i − c + (x − y_i)/(K_i η)): the same models, c and c_i up to float rounding."""
+    from flockfl.experiments import validate
+    from flockfl.rounds import prepare, run_rounds
+
+    from conftest import tiny_config
+
+    cfg = validate(tiny_config(algorithm={"name": "scaffold", "option": option}, model={"name": "mlp", "hidden": 64}, train={
+        "rounds": 3, "clients_per_round": 6, "batch_size": 4, "local_steps": 5, "engine": "vectorized"}))
+    runs, seen = {}, {"factored": 0}
+    for how in ("factored", "written"):
+        prep = prepare(cfg, tmp_path / how)
+        agg = prep.algorithm.aggregate
+
+        def wrapped(state, ctx, spec, result, assign, agg=agg, how=how):
+            if how == "written":
+                result.params  # noqa: B018 (reading them writes them out)
+            else:
+                seen["factored"] += isinstance(result.raw_params["1.weight"], LowRankWeight)
+            return agg(state, ctx, spec, result, assign)
+
+        prep.algorithm.aggregate = wrapped
+        runs[how] = run_rounds(prep)
+    assert seen["factored"] == 3
+    a, b = runs["factored"], runs["written"]
+    for k in b.models:
+        torch.testing.assert_close(a.models[k], b.models[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a.algo["c"][k], b.algo["c"][k], rtol=1e-4, atol=1e-6)
+    everyone = np.arange(12)
+    ca, cb = a.algo["c_clients"].gather(everyone, "cpu"), b.algo["c_clients"].gather(everyone, "cpu")
+    for k in cb:
+        torch.testing.assert_close(ca[k], cb[k], rtol=1e-4, atol=1e-6)
+    assert any(float(v.abs().max()) > 0 for v in ca.values())  # the control variates moved

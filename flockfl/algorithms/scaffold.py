@@ -27,6 +27,7 @@ from flockfl.algorithms.base import Algorithm
 from flockfl.algorithms.hyper import choice, real, weighting
 from flockfl.clientstate import ClientTable
 from flockfl.engine import fused
+from flockfl.engine.dense import LowRankWeight
 from flockfl.engine.schedule import LocalSpec
 from flockfl.engine.trainers import train_cohort
 
@@ -86,16 +87,26 @@ class Scaffold(Algorithm):
         steps = torch.from_numpy(np.maximum(result.num_steps, 1).astype(np.float32)).to(next(iter(c.values())).device)
         grad_x = self.full_gradient(state, ctx, clients) if self.option == "I" else None
         step = self.pseudo_gradient(state, result)  # −Δx = mean(x − y_i)
+        raw = result.raw_params  # a low-rank layer's y_i stay factors (flockfl/engine/dense.py)
         models, new_c, new_ci = {}, {}, {}
         for k, v in state.models.items():
             x = v[0]
-            y = result.params[k]
             old_ci = old.pop(k)  # each c_i read is let go once used
             # cohort-sized temporaries reused in place, the operations and their order unchanged (the
             # same bits): 1,000 clients of a 159,010-weight MLP are 636 MB a tensor
             both = None  # (c_i⁺, c_i⁺ − c_i) in one pass (flockfl/engine/fused.py), the same bits
+            factors = raw[k] if isinstance(raw[k], LowRankWeight) and raw[k].lr == self.cfg.train.lr else None
+            y = None if factors is not None else result.params[k] if isinstance(raw[k], LowRankWeight) else raw[k]
             if grad_x is not None:
                 ci = grad_x[k]
+            elif factors is not None:
+                # y_i = x − η·Σ_t g_t − η·K_i·(c − c_i), so option II's c_i − c + (x − y_i)/(K_i η) is the
+                # mean of the client's own gradients, Σ_t g_t / K_i = D_iᵀA_i / K_i: read off the factors,
+                # y_i never written out (a client that took no step keeps c_i − c, as the formula gives)
+                ci = factors.gradient_sum().div_(steps.reshape(-1, *([1] * x.dim())))
+                idle = torch.from_numpy(np.flatnonzero(result.num_steps == 0)).to(ci.device)
+                if len(idle):
+                    ci[idle] = old_ci[idle] - c[k].unsqueeze(0)
             else:
                 scale = (1.0 / (steps * self.cfg.train.lr)).reshape(-1, *([1] * x.dim()))
                 both = fused.scaffold_control(x, y, old_ci, c[k], scale)

@@ -68,10 +68,15 @@ class _Layer:
     axis, each with its own shared start; each segment's shared GEMM is the one it would run alone."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], max_rank: int, batch: int, lr: float,
-                 segments: Optional[list[slice]] = None, shared: Optional[bool] = None):
+                 segments: Optional[list[slice]] = None, shared: Optional[bool] = None,
+                 drift: Optional[tuple[torch.Tensor, Optional[torch.Tensor]]] = None):
+        """``drift``: a constant per-client term g_c added to every gradient (SCAFFOLD's c − c_i), for
+        the weight and the bias: client c's weight after s active steps is base − η·Dᵀ·A − η·s·g_c."""
         c, out, inp = weight.shape
         self.lr = lr
         self.bias = None if bias is None else bias.clone(memory_format=torch.contiguous_format)
+        self.drift, self.bias_drift = drift if drift is not None else (None, None)
+        self.count = weight.new_zeros(c) if self.drift is not None else None  # each client's active steps so far
         self.segments = segments or [slice(0, c)]
         self.lowrank = (shared_rows(weight) if shared is None else shared) and max_rank >= batch
         if self.lowrank:
@@ -95,12 +100,21 @@ class _Layer:
             out[seg] = one(a[seg], base)
         return out
 
+    def _drifted(self, out: torch.Tensor, a: torch.Tensor, transpose: bool) -> torch.Tensor:
+        """``out`` − η·s_c·(a·g_cᵀ) (forward) or − η·s_c·(a·g_c) (input gradient): the drift the
+        low-rank weight has taken so far, never written into it."""
+        if self.drift is not None and self.lowrank and bool(self.count.any()):
+            t = torch.bmm(a, self.drift.transpose(1, 2) if transpose else self.drift)
+            out.sub_(t.mul_((self.lr * self.count).reshape(-1, 1, 1)))
+        return out
+
     def forward(self, a: torch.Tensor) -> torch.Tensor:
         if self.lowrank:
             z = self._shared_gemm(a, True)
             if self.rank:
                 gram = torch.bmm(a, self.A[:, : self.rank].transpose(1, 2))  # [C, B, R]
                 z.baddbmm_(gram, self.D[:, : self.rank], alpha=-self.lr)
+            self._drifted(z, a, True)
         else:
             z = torch.bmm(a, self.base.transpose(1, 2))
         if self.bias is not None:
@@ -114,13 +128,18 @@ class _Layer:
             if self.rank:
                 gram = torch.bmm(delta, self.D[:, : self.rank].transpose(1, 2))
                 g.baddbmm_(gram, self.A[:, : self.rank], alpha=-self.lr)
-            return g
+            return self._drifted(g, delta, False)
         return torch.bmm(delta, self.base)
 
-    def update(self, delta: torch.Tensor, a: torch.Tensor) -> None:
-        """W ← W − η·δᵀa; b ← b − η·Σδ."""
+    def update(self, delta: torch.Tensor, a: torch.Tensor, active: Optional[torch.Tensor] = None) -> None:
+        """W ← W − η·(δᵀa + g_c); b ← b − η·(Σδ + g_c) (g_c: the drift, only for the clients still
+        stepping, ``active``; δ of a client with no step left is 0)."""
+        step = None if self.drift is None else (active.to(self.count.dtype) if active is not None
+                                                else torch.ones_like(self.count))
         if self.bias is not None:
             self.bias.sub_(delta.sum(1), alpha=self.lr)
+            if self.bias_drift is not None:
+                self.bias.sub_(self.bias_drift * step.unsqueeze(1), alpha=self.lr)
         if self.lowrank:
             b = delta.shape[1]
             if self.rank + b > self.A.shape[1]:
@@ -129,14 +148,20 @@ class _Layer:
                 self.A[:, self.rank : self.rank + b] = a
                 self.D[:, self.rank : self.rank + b] = delta
                 self.rank += b
+                if step is not None:
+                    self.count += step
                 return
         self.base.baddbmm_(delta.transpose(1, 2), a, alpha=-self.lr)
+        if step is not None:
+            self.base.sub_(self.drift * step.reshape(-1, 1, 1), alpha=self.lr)
 
     def to_dense(self) -> None:
         if self.lowrank:
             w = torch.cat([base.expand(seg.stop - seg.start, *base.shape) for seg, base in zip(self.segments, self.bases)])
             if self.rank:
                 w.baddbmm_(self.D[:, : self.rank].transpose(1, 2), self.A[:, : self.rank], alpha=-self.lr)
+            if self.drift is not None:
+                w.sub_(self.drift * (self.lr * self.count).reshape(-1, 1, 1))
             self.base, self.lowrank = w, False
             del self.A, self.D
 
@@ -148,8 +173,16 @@ class _Layer:
         """The layer's final stacked weight: the factors themselves where it is still low-rank with
         one shared start (written out only when read, :class:`LowRankWeight`), else the dense one."""
         if self.lowrank and self.rank and len(self.segments) == 1:
-            return LowRankWeight(self.bases[0], self.D[:, : self.rank], self.A[:, : self.rank], self.lr)
+            drift = None if self.drift is None else (self.drift, self.count)
+            return LowRankWeight(self.bases[0], self.D[:, : self.rank], self.A[:, : self.rank], self.lr, drift)
         return self.weight()
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    """[C]: each client's Frobenius norm of a stacked tensor (one reduction pass: 8 ms for W1's
+    75 MB where an absolute maximum takes 44–52). A NaN or inf gives a non-finite norm, and so
+    may finite entries past 1e19 (their float32 squares): the caller then checks exactly."""
+    return torch.linalg.vector_norm(t.reshape(len(t), -1), dim=1).double()
 
 
 class LowRankWeight:
@@ -159,8 +192,12 @@ class LowRankWeight:
     Σ_c w_c·base − η·(Σ_c w_c·D_cᵀA_c) is one GEMM over all clients' factors, [out, C·R] @
     [C·R, in] (W1: 17 ms against 60 ms to write 120 dense weights and 14 ms to average them)."""
 
-    def __init__(self, base: torch.Tensor, D: torch.Tensor, A: torch.Tensor, lr: float):
+    def __init__(self, base: torch.Tensor, D: torch.Tensor, A: torch.Tensor, lr: float,
+                 drift: Optional[tuple[torch.Tensor, torch.Tensor]] = None):
+        """``drift``: (g [C, out, in], s [C]): each client's constant gradient term and its steps
+        (SCAFFOLD's correction), so that client c's weight is base − η·D_cᵀA_c − η·s_c·g_c."""
         self.base, self.D, self.A, self.lr = base, D, A, lr
+        self.drift = drift
 
     @property
     def shape(self) -> torch.Size:
@@ -174,7 +211,11 @@ class LowRankWeight:
         return self.D.device
 
     def dense(self) -> torch.Tensor:
-        w = torch.cat([self.base.expand(*self.shape)])
+        if self.drift is None:
+            w = torch.cat([self.base.expand(*self.shape)])
+        else:  # base − η·s_c·g_c in one pass more than the plain write-out, no temporary
+            g, steps = self.drift
+            w = torch.mul(g, (-self.lr * steps).reshape(-1, 1, 1)).add_(self.base)
         return w.baddbmm_(self.D.transpose(1, 2), self.A, alpha=-self.lr)
 
     def weighted_mean(self, w: torch.Tensor) -> torch.Tensor:
@@ -182,20 +223,31 @@ class LowRankWeight:
         written-out weight up to rounding."""
         w = w.to(device=self.D.device, dtype=self.D.dtype)
         dw = (self.D * w.view(-1, 1, 1)).reshape(-1, self.D.shape[-1])  # [C·R, out]
-        return torch.addmm(self.base * w.sum(), dw.T, self.A.reshape(-1, self.A.shape[-1]), alpha=-self.lr)
+        mean = torch.addmm(self.base * w.sum(), dw.T, self.A.reshape(-1, self.A.shape[-1]), alpha=-self.lr)
+        if self.drift is not None:  # − η Σ_c w_c s_c g_c: one matrix-vector product
+            g, steps = self.drift
+            mean.sub_(((w * steps) @ g.reshape(len(self), -1)).reshape(mean.shape), alpha=self.lr)
+        return mean
+
+    def gradient_sum(self) -> torch.Tensor:
+        """[C, out, in]: Σ_t g_t of each client, its gradients summed over its steps (D_cᵀA_c; the
+        drift left out), a new tensor."""
+        return torch.bmm(self.D.transpose(1, 2), self.A)
 
     def finite(self) -> torch.Tensor:
         """[C] bool: whether each client's weight is finite, read off the factors. Finite factors
-        give a finite weight unless base + η·R·max|D_c|·max|A_c| could pass float's range; such
-        clients (none in a sane run) are written out and checked entry by entry."""
-        c = len(self)
-        dmax = self.D.reshape(c, -1).abs().amax(1)
-        amax = self.A.reshape(c, -1).abs().amax(1)
-        bound = self.base.abs().amax() + abs(self.lr) * self.D.shape[1] * dmax.double() * amax.double()
+        give a finite weight unless max|base| + η·‖D_c‖·‖A_c‖ (+ η·s_c·‖g_c‖) could pass float's
+        range; such clients (none in a sane run) are written out and checked entry by entry."""
+        # |(D_cᵀA_c)_ij| = |Σ_r D_ri A_rj| ≤ ‖D_c‖_F·‖A_c‖_F (Cauchy–Schwarz), and |g_ij| ≤ ‖g_c‖_F
+        bound = self.base.abs().amax().double() + abs(self.lr) * _norm(self.D) * _norm(self.A)
+        if self.drift is not None:
+            g, steps = self.drift
+            bound = bound + abs(self.lr) * steps.double() * _norm(g)
         ok = torch.isfinite(bound) & (bound < torch.finfo(self.D.dtype).max / 2)
-        unsure = torch.nonzero(~ok & torch.isfinite(dmax) & torch.isfinite(amax)).flatten()
+        unsure = torch.nonzero(~ok).flatten()  # a NaN, an inf or a norm past float's range: checked exactly
         if len(unsure):
-            part = LowRankWeight(self.base, self.D[unsure], self.A[unsure], self.lr).dense()
+            drift = None if self.drift is None else (self.drift[0][unsure], self.drift[1][unsure])
+            part = LowRankWeight(self.base, self.D[unsure], self.A[unsure], self.lr, drift).dense()
             ok[unsure] = torch.isfinite(part.reshape(len(unsure), -1)).all(1)
         return ok
 
@@ -204,23 +256,32 @@ class DenseCohort:
     """SGD for a cohort of dense stacks, one call to :meth:`step` per local step."""
 
     def __init__(self, init: dict[str, torch.Tensor], layers: list[str], lr: float, batch: int,
-                 segments: Optional[tuple[list[slice], set[str]]] = None, steps: Optional[int] = None):
+                 segments: Optional[tuple[list[slice], set[str]]] = None, steps: Optional[int] = None,
+                 correction: Optional[dict[str, torch.Tensor]] = None):
         """``segments``: (the cells' slices of the client axis, the entries each starts shared)
         where the cohort is several cells' (:mod:`flockfl.engine.stacking`). ``steps``: the pass's
         length where known: a low-rank layer keeps room for that many steps' factors only (then
-        they fill it, and the mean on them reads them in place: W1's 19 MB copy less a round)."""
+        they fill it, and the mean on them reads them in place: W1's 19 MB copy less a round).
+        ``correction``: a constant per-client term added to every gradient (SCAFFOLD's c − c_i,
+        stacked like ``init``); a low-rank layer keeps it beside its factors, never written in."""
         self.names = layers
         self.layers = []
         for name in layers:
             w = init[f"{name}.weight"]
             cap = max_rank(w, batch) if steps is None else min(max_rank(w, batch), steps * batch)
-            self.layers.append(_Layer(w, init.get(f"{name}.bias"), cap, batch, lr, *(
-                (segments[0], f"{name}.weight" in segments[1]) if segments else ())))
+            drift = None
+            if correction is not None:
+                drift = (correction[f"{name}.weight"].contiguous(), None if f"{name}.bias" not in correction
+                         else correction[f"{name}.bias"].contiguous())
+            seg = (segments[0], f"{name}.weight" in segments[1]) if segments else (None, None)
+            self.layers.append(_Layer(w, init.get(f"{name}.bias"), cap, batch, lr, *seg, drift=drift))
 
     @torch.no_grad()
-    def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str) -> torch.Tensor:
-        """x: [C, B, ...], y: [C, B], w: [C, B] per-sample weights (1/batch, 0 for padding).
-        Returns each client's weighted loss before the step."""
+    def step(self, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor, task: str,
+             active: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """x: [C, B, ...], y: [C, B], w: [C, B] per-sample weights (1/batch, 0 for padding);
+        ``active``: [C] bool, the clients taking this step (the correction moves only them; None:
+        all). Returns each client's weighted loss before the step."""
         acts = [x.reshape(x.shape[0], x.shape[1], -1)]
         for i, layer in enumerate(self.layers):
             z = layer.forward(acts[-1])
@@ -243,7 +304,7 @@ class DenseCohort:
             if i > 0:
                 nxt = layer.backward_input(delta)
                 nxt *= a > 0  # ReLU'(z), read off the stored activation
-            layer.update(delta, a)
+            layer.update(delta, a, active)
             delta = nxt
         return loss
 

@@ -235,8 +235,11 @@ def convolutional(model: nn.Module) -> bool:
 
 
 def plain_sgd(spec: LocalSpec, rates: list[float] = ()) -> bool:
-    """Whether the dense trainer's plain SGD may take the pass (one η, no extra terms)."""
-    return not spec.has_extras and spec.masks is None and spec.snapshot_steps is None and len(set(rates)) <= 1
+    """Whether the dense trainer's SGD may take the pass: one η, and no extra term but SCAFFOLD's
+    additive correction (no prox, momentum, weight decay, mask or snapshot)."""
+    only_correction = spec.correction is not None and not (spec.has_prox or spec.momentum or spec.weight_decay)
+    return (not spec.has_extras or only_correction) and spec.masks is None and spec.snapshot_steps is None \
+        and len(set(rates)) <= 1
 
 
 def _low_rank(model: nn.Module, spec: LocalSpec, rates: list[float], method: str, batch: int) -> bool:
@@ -293,7 +296,7 @@ def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, 
     steps = sched.active.sum(0).numpy()
     if method == "dense" and layers is None:
         raise ValueError("method='dense' needs a Flatten/Linear/ReLU stack, a constant rate within the pass and no "
-                         "prox/correction/momentum/weight-decay/mask/snapshot terms")
+                         "prox/momentum/weight-decay/mask/snapshot terms")
     snap_at = _snapshot_at(spec, steps)
     meta: dict = {}
     index, weight = sched.index.to(device), sched.weight.to(device)
@@ -301,9 +304,11 @@ def _one_pass(model: nn.Module, spec: LocalSpec, data: Split, task: str, sched, 
     if layers is not None:
         # keep broadcast inits broadcast (a shared start enables the low-rank layers)
         init = {k: (v[:1].to(device).expand_as(v) if v.stride(0) == 0 else v.to(device)) for k, v in spec.init.items()}
-        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2], segments, sched.steps)
+        corr = None if spec.correction is None else {k: v.to(device) for k, v in spec.correction.items()}
+        cohort = DenseCohort(init, layers, rates[0] if rates else spec.lr, index.shape[2], segments, sched.steps, corr)
+        active = sched.active.to(device) if corr is not None else None
         for s in range(sched.steps):
-            total += cohort.step(data.x[index[s]], data.y[index[s]], weight[s], task)
+            total += cohort.step(data.x[index[s]], data.y[index[s]], weight[s], task, None if active is None else active[s])
         params = cohort.params(factored=True)
     else:
         params = {k: v.to(device).clone(memory_format=torch.contiguous_format) for k, v in spec.init.items()}
