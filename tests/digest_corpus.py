@@ -52,6 +52,9 @@ LINREG = {"dataset": {"name": "synthetic_linreg", "clusters": 2, "dim": 10, "sam
           "partition": {"scheme": "natural", "num_clients": 16}, "model": {"name": "linear"},
           "train": {"clients_per_round": 8, "full_batch": True, "lr": 0.05}}
 K2 = {"k": 2}
+# an MLP wide enough for low-rank layers (64→64: rank cap 32 ≥ 5 steps × 4), which the 16-unit default
+# never reaches: FedAvg's mean on the factors, SCAFFOLD's correction beside them and its c_i⁺ read off them
+LOWRANK = {"model": {"name": "mlp", "hidden": 64}, "train": {"batch_size": 4, "local_steps": 5}}
 
 # name → config overrides of conftest.tiny_config (digits, 12 rotated clients, 3 rounds, MLP)
 ALGORITHMS: dict[str, dict] = {
@@ -61,6 +64,8 @@ ALGORITHMS: dict[str, dict] = {
     "fednova": {"algorithm": {"name": "fednova"}},
     "scaffold": {"algorithm": {"name": "scaffold"}},
     "scaffold_I": {"algorithm": {"name": "scaffold", "option": "I"}},
+    "fedavg_lowrank": {**LOWRANK, "algorithm": {"name": "fedavg"}},
+    "scaffold_lowrank": {**LOWRANK, "algorithm": {"name": "scaffold"}},
     "fedadam": {"algorithm": {"name": "fedadam"}},
     "fedadagrad": {"algorithm": {"name": "fedadagrad"}},
     "fedyogi": {"algorithm": {"name": "fedyogi"}},

@@ -103,7 +103,7 @@ class Scaffold(Algorithm):
                 # y_i = x − η·Σ_t g_t − η·K_i·(c − c_i), so option II's c_i − c + (x − y_i)/(K_i η) is the
                 # mean of the client's own gradients, Σ_t g_t / K_i = D_iᵀA_i / K_i: read off the factors,
                 # y_i never written out (a client that took no step keeps c_i − c, as the formula gives)
-                ci = factors.gradient_sum().div_(steps.reshape(-1, *([1] * x.dim())))
+                ci = factors.gradient_sum(1.0 / steps)
                 idle = torch.from_numpy(np.flatnonzero(result.num_steps == 0)).to(ci.device)
                 if len(idle):
                     ci[idle] = old_ci[idle] - c[k].unsqueeze(0)

@@ -229,10 +229,12 @@ class LowRankWeight:
             mean.sub_(((w * steps) @ g.reshape(len(self), -1)).reshape(mean.shape), alpha=self.lr)
         return mean
 
-    def gradient_sum(self) -> torch.Tensor:
+    def gradient_sum(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[C, out, in]: Σ_t g_t of each client, its gradients summed over its steps (D_cᵀA_c; the
-        drift left out), a new tensor."""
-        return torch.bmm(self.D.transpose(1, 2), self.A)
+        drift left out), times ``scale`` ([C], one per client) if given, applied to the small
+        factor D rather than to the product (no pass over the cohort-sized result); a new tensor."""
+        d = self.D if scale is None else self.D * scale.to(self.D).reshape(-1, 1, 1)
+        return torch.bmm(d.transpose(1, 2), self.A)
 
     def finite(self) -> torch.Tensor:
         """[C] bool: whether each client's weight is finite, read off the factors. Finite factors
