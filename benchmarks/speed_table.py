@@ -55,6 +55,7 @@ import argparse
 import copy
 import dataclasses
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -219,6 +220,15 @@ class PlainRun(Plain):
 
 
 def run_rounds(algo: str, raw: dict, rounds: int, threads: int) -> dict:
+    """:func:`_run_rounds` in a work folder removed afterwards (a W1 run leaves ~1.1 GB)."""
+    work = Path(tempfile.mkdtemp(prefix="flockfl-speed-"))
+    try:
+        return _run_rounds(algo, raw, rounds, threads, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_rounds(algo: str, raw: dict, rounds: int, threads: int, work: Path) -> dict:
     """One algorithm on W1: the researcher's whole round, timed here, and ``flockfl run``'s own
     ``round_s_median`` (a subprocess, the defaults but for the algorithm and the threads)."""
     import json
@@ -234,7 +244,6 @@ def run_rounds(algo: str, raw: dict, rounds: int, threads: int) -> dict:
     raw["algorithm"] = {"name": algo}
     raw["train"].update({"rounds": rounds, "threads": threads})
     raw["tracking"] = {"register_model": False}
-    work = Path(tempfile.mkdtemp())
     (work / "w1.yaml").write_text(yaml.safe_dump(raw))
     env = {**os.environ, "FLOCKFL_RESIDENT": "off", "PYTHONPATH": str(ROOT), "PREFECT_HOME": str(work / ".prefect")}
     env.pop("PREFECT_API_URL", None)
@@ -271,8 +280,15 @@ def sync(device) -> None:
 
 
 def run_workload(name: str, raw: dict, rounds: int, args, cohort: int = 0) -> dict:
-    import torch
+    """:func:`_run_workload` in a work folder removed afterwards."""
+    work = Path(tempfile.mkdtemp(prefix="flockfl-speed-"))
+    try:
+        return _run_workload(name, raw, rounds, args, cohort, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
+
+def _run_workload(name: str, raw: dict, rounds: int, args, cohort: int, work: Path) -> dict:
     from flockfl.experiments import validate
     from flockfl.rounds import PLAIN, drive_round, evaluate_stage, prepare, train_stage
 
@@ -284,7 +300,6 @@ def run_workload(name: str, raw: dict, rounds: int, args, cohort: int = 0) -> di
         raw["train"]["clients_per_round"] = cohort
     raw["tracking"] = {"enabled": False}
     cfg = validate(raw)
-    work = Path(tempfile.mkdtemp())
     prep = prepare(cfg, work / "parts")
     ctx, device = prep.ctx, prep.ctx.data.train.x.device
     state = prep.algorithm.init_state(ctx)
@@ -344,12 +359,18 @@ def main() -> None:
     ap.add_argument("--conv-layout", default="auto", choices=["auto", "channels_last", "contiguous"],
                     help="train.conv_layout")
     args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="flockfl-speed-"))
+    try:
+        _tables(args, tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
+
+def _tables(args, tmp: Path) -> None:
     import torch
 
     import round_speed
 
-    tmp = Path(tempfile.mkdtemp())
     rows = []
     for spec in args.workloads.split(","):
         name, _, cohort = spec.partition(":")
