@@ -61,7 +61,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--runs", default="local,ditto")
     a = ap.parse_args()
-    parts = tempfile.mkdtemp(prefix="eval-reuse-")
+    tmp = tempfile.TemporaryDirectory(prefix="eval-reuse-")  # removed when the script ends
+    parts = tmp.name
     strip = lambda h: {k: v for k, v in h.items() if k != "round_time_s"}  # noqa: E731
     print(f"{a.clients} clients, {max(1, a.clients // 10)} a round, {a.rounds} rounds, evaluation every round, "
           f"{a.threads} thread(s)\n")

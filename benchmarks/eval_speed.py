@@ -44,6 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 FMNIST = "/usr/share/datasets/fashion-mnist"
+# the partitions the workloads write, removed when the script ends
+_TMP = tempfile.TemporaryDirectory(prefix="flockfl-eval-speed-")
+
+
+def scratch() -> Path:
+    return Path(tempfile.mkdtemp(dir=_TMP.name))
 WORKLOADS = {
     "mlp/digits": ({"name": "digits"}, {"name": "mlp", "hidden": 200}, {"shard_size": None}),
     "cnn_bn/fmnist": ({"name": "fashion_mnist", "path": FMNIST}, {"name": "cnn_bn"}, {"shard_size": 250}),
@@ -142,7 +148,7 @@ def run(name: str, clients: int, repeat: int, peak: float, threads: int = 1) -> 
     from models import init_params
 
     ds_cfg, model_cfg, part = WORKLOADS[name]
-    prep = prepare(validate(config(ds_cfg, model_cfg, part, clients, threads)), Path(tempfile.mkdtemp()))
+    prep = prepare(validate(config(ds_cfg, model_cfg, part, clients, threads)), scratch())
     assert torch.get_num_threads() == max(threads, 1) or threads == 0, 'threads not as asked'
     ctx, data = prep.ctx, prep.ctx.data
     pool = ctx.base_data.pool
@@ -185,7 +191,7 @@ def subfedavg(rounds: int, threads: int) -> None:
     raw["train"] = {"rounds": rounds, "clients_per_round": 10, "local_epochs": 2, "batch_size": 10, "eval_every": 10,
                     "threads": threads, "engine": "vectorized"}
     t0 = time.perf_counter()
-    prep = prepare(validate(raw), Path(tempfile.mkdtemp()))
+    prep = prepare(validate(raw), scratch())
     t1 = time.perf_counter()
     state = run_rounds(prep)
     t2 = time.perf_counter()
