@@ -339,6 +339,7 @@ def drive_round(prep: PreparedRun, state: ServerState, round: int, stages: Stage
             if on_cycle:
                 on_cycle(state)
             maybe_crash("cycle", round)
+    spec = result = received = kept = None  # the cohort-sized tensors: let go before the evaluation
     metrics = stages.evaluate(prep, state, round) if should_evaluate(prep.cfg, round) else None
     return finish_round(prep, state, work, metrics, time.perf_counter() - t0)
 

@@ -238,3 +238,60 @@ def test_scaffold_rounds_on_the_factors_track_the_written_out_rounds(option, tmp
     for k in cb:
         torch.testing.assert_close(ca[k], cb[k], rtol=1e-4, atol=1e-6)
     assert any(float(v.abs().max()) > 0 for v in ca.values())  # the control variates moved
+
+
+def _sharded(spec: LocalSpec, model, data, cuts):
+    """The cohort trained shard by shard (as the round's shard loop does) and concatenated."""
+    from flockfl.engine.schedule import restrict
+
+    parts = [train_cohort(model, restrict(spec, slice(a, b)), data.train, data.task, seed=1, round=0, method="dense")
+             for a, b in zip(cuts[:-1], cuts[1:])]
+    return parts, TrainResult.concat(parts)
+
+
+@pytest.mark.parametrize("with_correction", [False, True])
+def test_shards_concatenate_to_one_factored_weight_with_the_bits_of_their_written_out_weights(with_correction):
+    """Shards of one cohort (one shared start, the same pass length) join as one
+    :class:`LowRankWeight`: the factors concatenated, SCAFFOLD's correction taken back as the rows of
+    the tensor the shards were sliced from (no copy); written out, it is bit for bit the shards'
+    written-out weights concatenated, as it was when the concatenation wrote them out."""
+    model, data, spec = shared_start()
+    if with_correction:
+        g = torch.Generator().manual_seed(5)
+        spec.correction = {k: 0.1 * torch.randn(6, *v.shape[1:], generator=g) for k, v in spec.init.items()}
+    parts, joined = _sharded(spec, model, data, [0, 2, 5, 6])
+    w = joined.raw_params["1.weight"]
+    assert isinstance(w, LowRankWeight) and len(w) == 6
+    if with_correction:
+        src = spec.correction["1.weight"]
+        assert w.drift[0].data_ptr() == src.data_ptr() and torch.equal(w.drift[0], src)  # a view, not a copy
+    expected = {k: torch.cat([p.params[k] for p in parts]) for k in parts[0].params}
+    for k, v in joined.params.items():
+        assert torch.equal(v, expected[k]), k
+    # and the whole cohort in one pass agrees with the shards (the same clients, the same steps)
+    whole = train_cohort(model, spec, data.train, data.task, seed=1, round=0, method="dense")
+    torch.testing.assert_close(weighted_mean(joined.raw_params, torch.full((6,), 1 / 6)),
+                               weighted_mean(whole.raw_params, torch.full((6,), 1 / 6)), rtol=1e-5, atol=1e-6)
+
+
+def test_shards_that_cannot_join_are_written_out_and_concatenated():
+    """Different starts (two cells), or a copied correction (shards from other processes): the
+    start differs → written out; the correction copied → joined with its rows concatenated."""
+    model, data, spec = shared_start()
+    parts, _ = _sharded(spec, model, data, [0, 3, 6])
+    moved = dataclasses.replace(parts[1], params={k: v for k, v in parts[1].raw_params.items()})
+    lw = moved.raw_params["1.weight"]
+    moved.params = {**moved.raw_params, "1.weight": LowRankWeight(lw.base + 1.0, lw.D, lw.A, lw.lr)}
+    expected = torch.cat([parts[0].params["1.weight"], moved.params["1.weight"]])
+    joined = TrainResult.concat([parts[0], moved])
+    assert isinstance(joined.raw_params["1.weight"], torch.Tensor)
+    assert torch.equal(joined.params["1.weight"], expected)
+
+    g = torch.Generator().manual_seed(5)
+    spec.correction = {k: 0.1 * torch.randn(6, *v.shape[1:], generator=g) for k, v in spec.init.items()}
+    parts, _ = _sharded(spec, model, data, [0, 3, 6])
+    copied = pickle.loads(pickle.dumps(parts[1]))  # a Dask worker's result: its own tensors
+    joined = TrainResult.concat([parts[0], copied])
+    w = joined.raw_params["1.weight"]
+    assert isinstance(w, LowRankWeight) and w.drift[0].data_ptr() != spec.correction["1.weight"].data_ptr()
+    assert torch.equal(joined.params["1.weight"], torch.cat([p.params["1.weight"] for p in (parts[0], copied)]))

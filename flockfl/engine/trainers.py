@@ -65,7 +65,7 @@ class TrainResult:
                 meta.setdefault(k, []).append(v)
         return TrainResult(
             np.concatenate([p.clients for p in parts]),
-            {k: torch.cat([p.params[k] for p in parts]) for k in parts[0].params},
+            {k: _cat_stacked([p.raw_params[k] for p in parts]) for k in parts[0].raw_params},
             np.concatenate([p.num_samples for p in parts]),
             np.concatenate([p.num_steps for p in parts]),
             np.concatenate([p.loss for p in parts]),
@@ -80,6 +80,15 @@ class TrainResult:
                     else rows(v) if isinstance(v, (np.ndarray, torch.Tensor)) else v) for k, v in self.meta.items()}
         return TrainResult(self.clients[order], {k: rows(v) for k, v in self.params.items()}, self.num_samples[order],
                            self.num_steps[order], self.loss[order], meta)
+
+
+def _cat_stacked(values: list) -> "torch.Tensor | LowRankWeight":
+    """The shards' stacked values of one parameter as the cohort's: factored weights stay factored
+    where :meth:`LowRankWeight.cat` can join them; anything else is written out and concatenated."""
+    joined = LowRankWeight.cat(values)
+    if joined is not None:
+        return joined
+    return torch.cat([v.dense() if isinstance(v, LowRankWeight) else v for v in values])
 
 
 def _params(self) -> dict[str, torch.Tensor]:
