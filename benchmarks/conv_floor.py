@@ -80,6 +80,15 @@ def main() -> None:
         row(f"conv1 1→{co}, 256 rows: aten unfold+GEMM", flop, lambda: torch._C._nn.thnn_conv2d(x, w, (5, 5), bias, 1, 0))
         row(f"conv1 1→{co}, 256 rows: unfold + batched GEMM", flop,
             lambda: torch.baddbmm(bias.reshape(1, -1, 1), w.reshape(1, co, -1).expand(n, -1, -1), F.unfold(x, 5)))
+        # the im2col matrix [rows·576, 25] from a strided view of the image (written out), then one GEMM;
+        # and the GEMM alone on a ready matrix: what conv1 would cost if writing its im2col were free
+        view = lambda: x.as_strided((n, 24, 24, 5, 5), (784, 28, 1, 28, 1)).reshape(n * 576, 25)  # noqa: E731
+        wt = w.reshape(co, 25).T.contiguous()
+        row(f"conv1 1→{co}, 256 rows: im2col by a strided view + GEMM", flop, lambda: torch.addmm(bias, view(), wt))
+        ready = view().contiguous()
+        row(f"conv1 1→{co}, 256 rows: the GEMM alone on a ready im2col", flop, lambda: torch.addmm(bias, ready, wt))
+        wide = ready.T.contiguous()  # [25, rows·576]: the filters on the left, a short, wide product
+        row(f"conv1 1→{co}, 256 rows: the GEMM alone, [{co}, 25] @ [25, rows·576]", flop, lambda: w.reshape(co, 25) @ wide)
         ws = s2d_weight(w)
         row(f"conv1 1→{co}, 256 rows: space-to-depth, pool as a channel max", flop,
             lambda: F.conv2d(F.pixel_unshuffle(x, 2), ws).view(n, 4, co, 12, 12).amax(1))
