@@ -306,3 +306,38 @@ def pytest_sessionfinish(session):
 
         resident.stop()
         shutil.rmtree(os.environ["FLOCKFL_RESIDENT_DIR"], ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist's ``worksteal`` (``./run test``), the end-to-end tests (marked slow) start
+    first: worksteal hands worker j the j-th contiguous block of the collection and later lets idle
+    workers take the tail of a busy one's queue, so each block is arranged as its share of the slow
+    tests (whole modules, so that a module's set-up runs once on one worker), then unit tests. A
+    long test that starts last otherwise holds the suite's end (its minute-long process tests,
+    alphabetically late, ran while the other workers had finished). The tests and what they check
+    are unchanged; only the order is."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if n < 2 or config.getoption("dist", "no") != "worksteal":
+        return
+    by_module: dict[str, list] = {}
+    fast = []
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            by_module.setdefault(str(item.path), []).append(item)
+        else:
+            fast.append(item)
+    if not by_module:
+        return
+    sizes, left = [], len(items)  # the blocks worksteal deals: len // n, then the rest again
+    for j in range(n):
+        sizes.append(left // (n - j))
+        left -= sizes[-1]
+    slow: list[list] = [[] for _ in range(n)]
+    for _, group in sorted(by_module.items(), key=lambda kv: -len(kv[1])):  # the largest module first
+        min(slow, key=len).extend(group)
+    out, taken = [], 0
+    for j in range(n):
+        need = max(sizes[j] - len(slow[j]), 0)
+        out += slow[j] + fast[taken:taken + need]
+        taken += need
+    items[:] = out + fast[taken:]

@@ -75,11 +75,13 @@ def test_fednova_equals_fedavg_when_local_steps_are_equal(tmp_path):
         torch.testing.assert_close(runs["fednova"].models[k], runs["fedavg"].models[k], rtol=1e-6, atol=1e-6)
 
 
-# 2,000 rounds per case (16-36 s in the parallel suite): the full suite's, not the fast tier's, which
-# keeps FedNova's exact property (test_fednova_equals_fedavg_when_local_steps_are_equal)
+# 2,000 and 1,000 rounds (9 and 14 s alone, 25-64 s in the parallel suite): the full suite's, not the
+# fast tier's, which keeps FedNova's exact property (test_fednova_equals_fedavg_when_local_steps_are_equal).
+# The momentum case runs 250 rounds at twice the step of its first version (500 rounds, 29 s alone):
+# the same η·rounds, measured errors FedAvg 1.167 / FedNova 0.028 (was 1.172 / 0.016), bias ratio 0.59.
 @pytest.mark.slow
-@pytest.mark.parametrize("momentum,lrs", [(0.0, (0.0005, 0.00025)), (0.9, (0.00005, 0.000025))])
-def test_fednova_removes_objective_inconsistency(momentum, lrs):
+@pytest.mark.parametrize("momentum,lrs,rounds", [(0.0, (0.0005, 0.00025), 500), (0.9, (0.0001, 0.00005), 250)])
+def test_fednova_removes_objective_inconsistency(momentum, lrs, rounds):
     """Unequal τ_i = [1, 2, 3, 5, 8, 10, 15, 20]: FedAvg converges to the τ-weighted optimum,
     far from the true one; FedNova's remaining error is O(η_l) and shrinks with the step."""
     data, x_star, _ = hetero_lsq(m=8, d=5, seed=1)
@@ -91,10 +93,10 @@ def test_fednova_removes_objective_inconsistency(momentum, lrs):
             prep = lsq_run(algo, data, {"lr": lr})
             if name == "fedavg" and momentum:
                 prep.algorithm.local_spec = _with_momentum(prep.algorithm.local_spec, momentum)
-            err[name, lr] = rel_error(drive(prep, 500, client_steps=tau), x_star)
+            err[name, lr] = rel_error(drive(prep, rounds, client_steps=tau), x_star)
     small = lrs[1]
     assert err["fedavg", small] > 0.5  # measured ≈ 0.87 (plain) and ≈ 1.17 (momentum)
-    assert err["fednova", small] < 0.1 * err["fedavg", small]  # measured ≈ 0.037 and ≈ 0.016
+    assert err["fednova", small] < 0.1 * err["fedavg", small]  # measured ≈ 0.037 and ≈ 0.028
     assert err["fednova", small] < 0.8 * err["fednova", lrs[0]]  # the bias vanishes as η_l → 0
 
 
