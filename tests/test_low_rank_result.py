@@ -295,3 +295,16 @@ def test_shards_that_cannot_join_are_written_out_and_concatenated():
     w = joined.raw_params["1.weight"]
     assert isinstance(w, LowRankWeight) and w.drift[0].data_ptr() != spec.correction["1.weight"].data_ptr()
     assert torch.equal(joined.params["1.weight"], torch.cat([p.params["1.weight"] for p in (parts[0], copied)]))
+
+
+def test_rows_of_one_tensor_are_taken_back_as_a_view_and_anything_else_copied():
+    from flockfl.engine.dense import _rows_of_one
+
+    src = torch.arange(6 * 4 * 3, dtype=torch.float32).reshape(6, 4, 3)
+    one_row = src[2:3].as_strided((1, 4, 3), (999, 3, 1), src[2:3].storage_offset())  # any first stride
+    got = _rows_of_one([src[:2], one_row, src[3:]])
+    assert got.data_ptr() == src.data_ptr() and torch.equal(got, src)
+    gap = _rows_of_one([src[:2], src[3:]])  # not consecutive: a copy of those rows
+    assert gap.data_ptr() != src.data_ptr() and torch.equal(gap, torch.cat([src[:2], src[3:]]))
+    other = _rows_of_one([src[:3], src[3:].clone()])
+    assert torch.equal(other, src) and other.data_ptr() != src.data_ptr()

@@ -197,8 +197,11 @@ def _rows_of_one(tensors) -> torch.Tensor:
         offset += t.numel()
     if not consecutive:
         return torch.cat(tensors)
-    rows = sum(len(t) for t in tensors)
-    return t0.as_strided((rows, *t0.shape[1:]), t0.stride(), t0.storage_offset())
+    shape = (sum(len(t) for t in tensors), *t0.shape[1:])
+    strides = [1] * len(shape)  # C order, written out: a one-row part's own first stride may be anything
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return t0.as_strided(shape, strides, t0.storage_offset())
 
 
 class LowRankWeight:
@@ -266,6 +269,7 @@ class LowRankWeight:
             return None
         same = all(p.lr == first.lr and p.D.shape[1:] == first.D.shape[1:] and p.A.shape[1:] == first.A.shape[1:]
                    and (p.drift is None) == (first.drift is None) and p.D.device == first.D.device
+                   and p.D.dtype == first.D.dtype
                    and (p.base is first.base or torch.equal(p.base, first.base)) for p in parts[1:])
         if not same:
             return None
