@@ -52,10 +52,10 @@ Usage: python benchmarks/speed_table.py [--workloads w1,lenet5,cnn_bn] [--rounds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -219,13 +219,17 @@ class PlainRun(Plain):
         torch.save({"model": self.net.state_dict(), "c": self.c, "c_i": self.c_i}, path)
 
 
+@contextlib.contextmanager
+def _work_folder():
+    """A temporary folder, removed when the block ends however it ends."""
+    with tempfile.TemporaryDirectory(prefix="flockfl-speed-", ignore_cleanup_errors=True) as work:
+        yield Path(work)
+
+
 def run_rounds(algo: str, raw: dict, rounds: int, threads: int) -> dict:
     """:func:`_run_rounds` in a work folder removed afterwards (a W1 run leaves ~1.1 GB)."""
-    work = Path(tempfile.mkdtemp(prefix="flockfl-speed-"))
-    try:
+    with _work_folder() as work:
         return _run_rounds(algo, raw, rounds, threads, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _run_rounds(algo: str, raw: dict, rounds: int, threads: int, work: Path) -> dict:
@@ -281,11 +285,8 @@ def sync(device) -> None:
 
 def run_workload(name: str, raw: dict, rounds: int, args, cohort: int = 0) -> dict:
     """:func:`_run_workload` in a work folder removed afterwards."""
-    work = Path(tempfile.mkdtemp(prefix="flockfl-speed-"))
-    try:
+    with _work_folder() as work:
         return _run_workload(name, raw, rounds, args, cohort, work)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def _run_workload(name: str, raw: dict, rounds: int, args, cohort: int, work: Path) -> dict:
@@ -359,11 +360,8 @@ def main() -> None:
     ap.add_argument("--conv-layout", default="auto", choices=["auto", "channels_last", "contiguous"],
                     help="train.conv_layout")
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="flockfl-speed-"))
-    try:
+    with _work_folder() as tmp:
         _tables(args, tmp)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _tables(args, tmp: Path) -> None:
