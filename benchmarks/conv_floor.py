@@ -8,7 +8,9 @@ best of 5. Rows:
 - the first convolution (one channel, 5×5, 28×28 → 24×24, 6 or 10 filters, 256 rows, the
   pipeline's chunk): oneDNN (``F.conv2d``), channels-last, aten's unfold + GEMM path
   (``thnn_conv2d``), an explicit unfold + batched GEMM, and the 2×2 space-to-depth rewrite
-  (a 3×3 convolution of 4 channels into 4·C outputs, whose 2×2 pool is a channel maximum);
+  (a 3×3 convolution of 4 channels into 4·C outputs, whose 2×2 pool is a channel maximum),
+  oneDNN followed by the pipeline's 2×2 maximum, and flockfl's one-kernel convolution + pool
+  (``flockfl/engine/convkernel.py``, what the evaluation runs; left out without a C compiler);
 - the same convolution with 200 filters on 16 rows (20 models' filters side by side: what a wide
   first convolution shared by per-client models would be), through oneDNN and as a GEMM on rows
   unfolded once (the unfold not timed);
@@ -59,6 +61,9 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from flockfl.engine import convkernel
+    from flockfl.engine.convplan import max2d
+
     torch.set_num_threads(args.threads)
     F = torch.nn.functional
     g = torch.Generator().manual_seed(0)
@@ -92,6 +97,11 @@ def main() -> None:
         ws = s2d_weight(w)
         row(f"conv1 1→{co}, 256 rows: space-to-depth, pool as a channel max", flop,
             lambda: F.conv2d(F.pixel_unshuffle(x, 2), ws).view(n, 4, co, 12, 12).amax(1))
+        # what the evaluation runs (flockfl/engine/convkernel.py): the convolution and its 2×2 pool in one
+        # kernel, against the convolution's FLOPs alone; oneDNN's convolution then the pipeline's pool beside it
+        row(f"conv1 1→{co}, 256 rows: oneDNN + the pipeline's 2×2 maximum", flop, lambda: max2d(F.conv2d(x, w, bias), (2, 2)))
+        if convkernel.available():
+            row(f"conv1 1→{co}, 256 rows: flockfl's conv + pool kernel", flop, lambda: convkernel.conv_pool(x, w, bias))
     r16 = torch.randn(16, 1, 28, 28, generator=g)
     w200, b200 = torch.randn(200, 1, 5, 5, generator=g), torch.randn(200, generator=g)
     flop = 2 * 16 * 200 * 24 * 24 * 25

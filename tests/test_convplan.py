@@ -1,6 +1,8 @@
 """The reordered CNN evaluation pass (flockfl.engine.convplan) gives the model's own outputs bit
 for bit: conv → pool → ReLU for conv → ReLU → pool, and BatchNorm's affine map after the pool
-with negative-scale channels' filters negated; models it does not know run as they are."""
+with negative-scale channels' filters negated; models it does not know run as they are. With
+the one-channel conv + pool kernel (flockfl.engine.convkernel) the outputs agree to float
+rounding and the kernel's own results match ``max_pool2d(conv2d(...))`` on every shape it takes."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from flockfl.engine import convplan
+from flockfl.engine import convkernel, convplan
 from flockfl.engine.evaluate import outputs
 from models import build_model
 
@@ -27,6 +29,7 @@ def random_params(model: nn.Module, seed: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("shape", [(1, 28, 28), (1, 8, 8), (3, 32, 32)])
 @pytest.mark.parametrize("name", ["lenet5", "lenet5_padded", "lenet5_bn", "cnn_bn", "pfllib_cnn", "pfl_cnn"])
 def test_the_plan_gives_the_models_outputs_bit_for_bit(name, shape, monkeypatch):
+    monkeypatch.setenv(convkernel.ENV, "off")  # the reordering alone is exact; the kernel is not
     model = build_model(name, shape, 10).eval()
     steps = convplan.plan(model)
     assert steps is not None, f"{name} should have a plan"
@@ -57,3 +60,75 @@ def test_models_it_does_not_know_run_as_they_are():
     p = dict(overlapping.named_parameters())
     with torch.no_grad():
         assert torch.equal(outputs(overlapping, p, x), overlapping(x))
+
+
+needs_kernel = pytest.mark.skipif(not convkernel.available(), reason="no C compiler: the conv kernel is not built")
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["lenet5", "lenet5_padded", "lenet5_bn", "cnn_bn"])
+def test_the_plan_with_the_conv_kernel_gives_the_models_outputs_to_rounding(name, monkeypatch):
+    model = build_model(name, (1, 28, 28), 10).eval()
+    p = random_params(model, 0)
+    x = torch.randn(37, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    calls = []
+    real = convkernel.conv_pool
+    monkeypatch.setattr(convkernel, "conv_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with torch.no_grad():
+        fast, own = outputs(model, p, x), functional_call(model, p, (x,))
+    assert calls, "the first convolution should run in the kernel"
+    torch.testing.assert_close(fast, own, rtol=1e-4, atol=1e-4 * float(own.abs().max()))
+    assert (fast.argmax(1) == own.argmax(1)).float().mean() > 0.97
+
+
+def _reference(x, w, b, padding):
+    return nn.functional.max_pool2d(nn.functional.conv2d(x, w, b, padding=padding), 2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("c", [1, 4, 6, 10, 13])
+@pytest.mark.parametrize("hw,k,padding", [((28, 28), 5, (0, 0)), ((28, 28), 5, (2, 2)), ((29, 35), 3, (1, 1)),
+                                          ((20, 19), 3, (0, 0))])
+def test_the_kernel_is_conv_then_pool(c, hw, k, padding):
+    g = torch.Generator().manual_seed(c)
+    x = torch.randn(5, 1, *hw, generator=g)
+    w, b = torch.randn(c, 1, k, k, generator=g), torch.randn(c, generator=g)
+    for bias in (b, None):
+        got = convkernel.conv_pool(x, w, bias, padding)
+        want = _reference(x, w, bias, padding)
+        assert got is not None and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
+def test_the_kernel_splits_rows_over_threads_with_the_same_bits():
+    x, w, b = torch.randn(64, 1, 28, 28), torch.randn(10, 1, 5, 5), torch.randn(10)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = convkernel.conv_pool(x, w, b)
+        torch.set_num_threads(2)
+        assert torch.equal(convkernel.conv_pool(x, w, b), one)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_the_kernel_propagates_nan_as_the_pool_does():
+    x, w, b = torch.randn(2, 1, 28, 28), torch.randn(6, 1, 5, 5), torch.zeros(6)
+    x[0, 0, 3, 7] = float("nan")
+    got, want = convkernel.conv_pool(x, w, b), _reference(x, w, b, (0, 0))
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+
+
+def test_the_kernel_declines_what_it_does_not_compute(monkeypatch):
+    x, w = torch.randn(3, 1, 28, 28), torch.randn(6, 1, 5, 5)
+    assert convkernel.conv_pool(torch.randn(3, 2, 28, 28), torch.randn(6, 2, 5, 5), None) is None  # two channels in
+    assert convkernel.conv_pool(torch.randn(3, 1, 8, 8), torch.randn(6, 1, 3, 3), None, (1, 1)) is None  # 4 pooled columns
+    assert convkernel.conv_pool(x.double(), w.double(), None) is None
+    assert convkernel.conv_pool(x, w.requires_grad_(), None) is None
+    assert convkernel.conv_pool(x, torch.randn(6, 1, 5, 3), None) is None
+    monkeypatch.setenv(convkernel.ENV, "off")
+    assert convkernel.conv_pool(x, torch.randn(6, 1, 5, 5), None) is None
+    assert not convkernel.fits(nn.Conv2d(1, 6, 5, stride=2), (2, 2)) and not convkernel.fits(nn.Conv2d(1, 6, 5), (3, 3))
+    assert convkernel.fits(nn.Conv2d(1, 6, 5, padding=2), (2, 2))

@@ -118,25 +118,33 @@ def _machine() -> str:
     return f"{platform.machine()} {platform.processor()} {flags}"
 
 
-def _build() -> "ctypes.CDLL | bool":
+def compile_library(stem: str, source: str, flags: list[str]) -> "ctypes.CDLL | bool":
+    """``source`` compiled with the system's C compiler and ``flags`` into the kernel cache (once per
+    source, compiler, flags and CPU) and loaded; False where there is no compiler or it fails."""
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return False
-    key = hashlib.sha256("\n".join([_SOURCE, cc, *_FLAGS, _machine()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"sgd_update-{key}.so"
+    key = hashlib.sha256("\n".join([source, cc, *flags, _machine()]).encode()).hexdigest()[:16]
+    path = _cache_dir() / f"{stem}-{key}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
                 src, out = Path(tmp) / "k.c", Path(tmp) / "k.so"
-                src.write_text(_SOURCE)
-                subprocess.run([cc, *_FLAGS, "-o", str(out), str(src)], check=True, capture_output=True, timeout=120)
+                src.write_text(source)
+                subprocess.run([cc, *flags, "-o", str(out), str(src)], check=True, capture_output=True, timeout=120)
                 os.replace(out, path)  # atomic: a concurrent run reads the old file or the whole new one
         except (OSError, subprocess.SubprocessError):
             return False
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError:
+        return False
+
+
+def _build() -> "ctypes.CDLL | bool":
+    lib = compile_library("sgd_update", _SOURCE, _FLAGS)
+    if lib is False:
         return False
     f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.sgd_update.argtypes = [i64, i64, ptr, ptr, i32, f, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f]
@@ -211,11 +219,11 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, rate: float, *, weight_decay: f
                         ptr(a, lo, a_rs), a_rs, ptr(mu_t, lo, mu_rs), mu_rs, ptr(c, lo, c_rs), c_rs,
                         ptr(cm, lo, 1), ptr(e, lo, e_rs), e_rs, float(rate))
 
-    _split_rows(run, rows, n)
+    split_rows(run, rows, n)
 
 
-def _split_rows(run, rows: int, n: int) -> None:
-    """``run(lo, hi)`` over row ranges, on torch's threads when it is worth it (ctypes lets go of
+def split_rows(run, rows: int, n: int) -> None:
+    """``run(lo, hi)`` over row ranges (``n`` elements each), on torch's threads when it is worth it (ctypes lets go of
     the interpreter lock during each call)."""
     threads = torch.get_num_threads()
     if threads <= 1 or rows < 2 or rows * n < 1 << 18:
@@ -243,5 +251,5 @@ def scaffold_control(x: torch.Tensor, y: torch.Tensor, old: torch.Tensor, c: tor
         _lib.scaffold_control(hi - lo, n, x.data_ptr(), y.data_ptr() + off, old.data_ptr() + off, c.data_ptr(),
                               scale.data_ptr() + lo * 4, ci.data_ptr() + off, d.data_ptr() + off)
 
-    _split_rows(run, rows, n)
+    split_rows(run, rows, n)
     return ci, d
