@@ -15,7 +15,8 @@ best of 5. Rows:
   first convolution shared by per-client models would be), through oneDNN and as a GEMM on rows
   unfolded once (the unfold not timed);
 - the second convolution (10 → 20 channels, 12×12) of 20 models on 16 rows: one grouped
-  convolution, a loop over the models, and one model on 320 rows.
+  convolution, a loop over the models, and one model on 320 rows (alone, with the pipeline's
+  2×2 maximum, and through flockfl's kernel).
 
 Usage: python benchmarks/conv_floor.py [--threads 1]
 """
@@ -118,6 +119,11 @@ def main() -> None:
         lambda: [F.conv2d(parts[i], w2[i * c2:(i + 1) * c2], b2[i * c2:(i + 1) * c2]) for i in range(G)])
     one = torch.randn(r * G, c1, 12, 12, generator=g)
     row("conv2 10→20 of one model, 320 rows", flop, lambda: F.conv2d(one, w2[:c2], b2[:c2]))
+    row("conv2 10→20 of one model, 320 rows: oneDNN + the pipeline's 2×2 maximum", flop,
+        lambda: max2d(F.conv2d(one, w2[:c2], b2[:c2]), (2, 2)))
+    if convkernel.available():
+        row("conv2 10→20 of one model, 320 rows: flockfl's conv + pool kernel", flop,
+            lambda: convkernel.conv_pool(one, w2[:c2], b2[:c2]))
 
     print(f"threads={torch.get_num_threads()}  peak matmul {peak / 1e9:.1f} GFLOP/s (1024³ float32)  torch {torch.__version__}")
     print(f"{'convolution':<66}{'ms':>9}{'floor ms':>10}{'÷ floor':>9}")

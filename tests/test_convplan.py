@@ -66,11 +66,12 @@ needs_kernel = pytest.mark.skipif(not convkernel.available(), reason="no C compi
 
 
 @needs_kernel
+@pytest.mark.parametrize("shape", [(1, 28, 28), (1, 8, 8)])
 @pytest.mark.parametrize("name", ["lenet5", "lenet5_padded", "lenet5_bn", "cnn_bn"])
-def test_the_plan_with_the_conv_kernel_gives_the_models_outputs_to_rounding(name, monkeypatch):
-    model = build_model(name, (1, 28, 28), 10).eval()
+def test_the_plan_with_the_conv_kernel_gives_the_models_outputs_to_rounding(name, shape, monkeypatch):
+    model = build_model(name, shape, 10).eval()
     p = random_params(model, 0)
-    x = torch.randn(37, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(37, *shape, generator=torch.Generator().manual_seed(1))
     calls = []
     real = convkernel.conv_pool
     monkeypatch.setattr(convkernel, "conv_pool", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -86,45 +87,67 @@ def _reference(x, w, b, padding):
 
 
 @needs_kernel
-@pytest.mark.parametrize("c", [1, 4, 6, 10, 13])
-@pytest.mark.parametrize("hw,k,padding", [((28, 28), 5, (0, 0)), ((28, 28), 5, (2, 2)), ((29, 35), 3, (1, 1)),
-                                          ((20, 19), 3, (0, 0))])
-def test_the_kernel_is_conv_then_pool(c, hw, k, padding):
+@pytest.mark.parametrize("c", [1, 4, 6, 10, 13, 20])
+@pytest.mark.parametrize("ci,hw,k,padding", [
+    (1, (28, 28), 5, (0, 0)), (1, (28, 28), 5, (2, 2)), (10, (12, 12), 5, (0, 0)), (1, (8, 8), 3, (1, 1)),  # the models'
+    (3, (22, 10), 3, (0, 0)), (2, (16, 34), 3, (1, 1)), (1, (21, 30), 5, (0, 0)),  # overlapping row groups, column blocks, odd sizes
+])
+def test_the_kernel_is_conv_then_pool(c, ci, hw, k, padding):
     g = torch.Generator().manual_seed(c)
-    x = torch.randn(5, 1, *hw, generator=g)
-    w, b = torch.randn(c, 1, k, k, generator=g), torch.randn(c, generator=g)
+    x = torch.randn(5, ci, *hw, generator=g)
+    w, b = torch.randn(c, ci, k, k, generator=g) / ci ** 0.5, torch.randn(c, generator=g)
+    scale, shift = torch.rand(c, generator=g) + 0.1, torch.randn(c, generator=g)
+    scale[1::2] *= -1  # both signs
     for bias in (b, None):
         got = convkernel.conv_pool(x, w, bias, padding)
         want = _reference(x, w, bias, padding)
         assert got is not None and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+        # the BatchNorm's affine map and the ReLU after the pool, in the kernel
+        got = convkernel.conv_pool(x, w, bias, padding, scale, shift, relu=True)
+        torch.testing.assert_close(got, torch.relu(want * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)),
+                                   rtol=1e-5, atol=4e-5)
+        assert (got == 0).any() and (got > 0).any() or c == 1  # the ReLU cut something and kept something
+        torch.testing.assert_close(convkernel.conv_pool(x, w, bias, padding, relu=True), torch.relu(want), rtol=1e-5, atol=2e-5)
 
 
 @needs_kernel
-def test_the_kernel_splits_rows_over_threads_with_the_same_bits():
-    x, w, b = torch.randn(64, 1, 28, 28), torch.randn(10, 1, 5, 5), torch.randn(10)
+@pytest.mark.parametrize("ci,hw", [(1, 28), (10, 12)])
+def test_the_kernel_splits_rows_over_threads_with_the_same_bits(ci, hw):
+    x, w, b = torch.randn(64, ci, hw, hw), torch.randn(10, ci, 5, 5), torch.randn(10)
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = convkernel.conv_pool(x, w, b)
         torch.set_num_threads(2)
         assert torch.equal(convkernel.conv_pool(x, w, b), one)
+        assert torch.equal(convkernel.conv_pool(x[7:9], w, b), one[7:9])  # a row's result does not depend on its chunk
     finally:
         torch.set_num_threads(before)
 
 
 @needs_kernel
-def test_the_kernel_propagates_nan_as_the_pool_does():
-    x, w, b = torch.randn(2, 1, 28, 28), torch.randn(6, 1, 5, 5), torch.zeros(6)
+@pytest.mark.parametrize("ci,hw", [(1, 28), (10, 12)])
+def test_the_kernel_propagates_nan_as_the_pool_does(ci, hw):
+    x, w, b = torch.randn(2, ci, hw, hw), torch.randn(6, ci, 5, 5), torch.zeros(6)
     x[0, 0, 3, 7] = float("nan")
     got, want = convkernel.conv_pool(x, w, b), _reference(x, w, b, (0, 0))
     assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    got = convkernel.conv_pool(x, w, b, scale=torch.ones(6), shift=torch.zeros(6), relu=True)
+    assert torch.equal(got.isnan(), torch.relu(want).isnan())  # the ReLU keeps NaN, as torch.relu does
+
+
+def test_each_filter_count_takes_the_block_that_pads_it_least():
+    assert [convkernel.block(c) for c in (1, 4, 5, 6, 10, 12, 16, 20, 32)] == [4, 4, 5, 6, 5, 6, 4, 5, 4]
+    assert convkernel.waste(24, 24) == 1.0 and convkernel.waste(8, 8) == 1.0
+    assert convkernel.waste(28, 28) == pytest.approx((32 / 28) * (16 / 14))
 
 
 def test_the_kernel_declines_what_it_does_not_compute(monkeypatch):
     x, w = torch.randn(3, 1, 28, 28), torch.randn(6, 1, 5, 5)
-    assert convkernel.conv_pool(torch.randn(3, 2, 28, 28), torch.randn(6, 2, 5, 5), None) is None  # two channels in
-    assert convkernel.conv_pool(torch.randn(3, 1, 8, 8), torch.randn(6, 1, 3, 3), None, (1, 1)) is None  # 4 pooled columns
+    assert convkernel.conv_pool(torch.randn(3, 6, 14, 14), torch.randn(16, 6, 5, 5), None) is None  # 10×10: 2.56× the work
+    assert convkernel.conv_pool(torch.randn(3, 1, 6, 6), torch.randn(6, 1, 3, 3), None) is None  # 4×4 out
+    assert convkernel.conv_pool(torch.randn(3, 4, 8, 10), torch.randn(6, 4, 3, 3), None) is None  # 6 rows out
     assert convkernel.conv_pool(x.double(), w.double(), None) is None
     assert convkernel.conv_pool(x, w.requires_grad_(), None) is None
     assert convkernel.conv_pool(x, torch.randn(6, 1, 5, 3), None) is None

@@ -15,9 +15,9 @@ whole convolution output. Reordered, they run on a quarter of it, with the same 
 - **The 2×2 maximum in two steps**: rows first (contiguous halves), then columns, which reads
   the activation once instead of four strided times.
 
-The reordering is bit for bit the model's forward. One step is not: a first convolution of one
-input channel followed by a 2×2 pool runs with its pool in flockfl's kernel
-(:mod:`flockfl.engine.convkernel`, 2–3× faster than oneDNN's convolution alone), whose sums agree
+The reordering is bit for bit the model's forward. One step is not: a convolution followed by a
+2×2 pool runs with its pool in one of flockfl's kernels where its shape has one
+(:mod:`flockfl.engine.convkernel`: one input channel, or output rows 8 wide), whose sums agree
 with oneDNN's to float rounding; ``FLOCKFL_CONV_KERNEL=off`` gives the model's bits again.
 
 :func:`plan` recognises the shapes it knows (a ``nn.Sequential`` of Conv2d / ReLU /
@@ -87,31 +87,37 @@ def _linear(name: str, relu: bool = False) -> Step:
     return lambda p, x: F.linear(x, p[f"{name}.weight"], p.get(f"{name}.bias"))
 
 
-def _conv_pool(name: str, m: nn.Conv2d, k: tuple[int, int]) -> Callable:
-    """``(params, x, sign) -> max2d(conv(x))`` of the conv ``name`` with its filters and bias times
-    ``sign`` (one per filter, or None); through :mod:`~flockfl.engine.convkernel` where it applies."""
+def _conv_pool(name: str, m: nn.Conv2d, k: tuple[int, int], relu: bool) -> Callable:
+    """``(params, x, sign, scale, shift) -> [relu](max2d(conv(x)) · scale + shift)`` of the conv ``name``
+    with its filters and bias times ``sign`` (one per filter; None: as they are), the affine map
+    only where ``scale`` is given; in one of :mod:`~flockfl.engine.convkernel`'s kernels where it applies."""
     kw = _conv_args(m)
     direct = convkernel.fits(m, k)
 
-    def step(p: dict[str, torch.Tensor], x: torch.Tensor, sign: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def step(p: dict[str, torch.Tensor], x: torch.Tensor, sign: Optional[torch.Tensor] = None,
+             scale: Optional[torch.Tensor] = None, shift: Optional[torch.Tensor] = None) -> torch.Tensor:
         w, b = p[f"{name}.weight"], p.get(f"{name}.bias")
         if sign is not None:
             w, b = w * sign.reshape(-1, *([1] * (w.dim() - 1))), None if b is None else b * sign
-        y = convkernel.conv_pool(x, w, b, pair(m.padding)) if direct else None
-        return y if y is not None else max2d(F.conv2d(x, w, b, **kw), k)
+        y = convkernel.conv_pool(x, w, b, pair(m.padding), scale, shift, relu) if direct else None
+        if y is not None:
+            return y
+        y = max2d(F.conv2d(x, w, b, **kw), k)
+        if scale is not None:
+            y = y * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
+        return torch.relu_(y) if relu else y
     return step
 
 
 def _conv_bn_relu_pool(conv: str, m: nn.Conv2d, bn: str, eps: float, k: tuple[int, int]) -> Step:
-    conv_pool = _conv_pool(conv, m, k)
+    conv_pool = _conv_pool(conv, m, k, relu=True)
 
     def step(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         # the model's own evaluation-mode BatchNorm arithmetic (models.WeightedBatchNorm2d)
         scale = p[f"{bn}.weight"] * torch.rsqrt(p[f"{bn}.running_var"] + eps)
         shift = p[f"{bn}.bias"] - p[f"{bn}.running_mean"] * scale
         sign = torch.where(scale < 0, -1.0, 1.0).to(scale.dtype)
-        y = conv_pool(p, x, sign)
-        return torch.relu_(y * (scale * sign).reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1))
+        return conv_pool(p, x, sign, scale * sign, shift)
     return step
 
 
@@ -123,8 +129,7 @@ def _sequential(model: nn.Sequential) -> Optional[list[Step]]:
         name, m = mods[i]
         nxt = [type(mm) for _, mm in mods[i + 1:i + 3]]
         if type(m) is nn.Conv2d and nxt == [nn.ReLU, nn.MaxPool2d] and _pool_size(mods[i + 2][1]):
-            conv_pool = _conv_pool(name, m, _pool_size(mods[i + 2][1]))
-            steps.append(lambda p, x, conv_pool=conv_pool: torch.relu_(conv_pool(p, x)))
+            steps.append(_conv_pool(name, m, _pool_size(mods[i + 2][1]), relu=True))
             i += 3
             continue
         if type(m) is nn.Conv2d:
