@@ -17,7 +17,7 @@ whole convolution output. Reordered, they run on a quarter of it, with the same 
 
 The reordering is bit for bit the model's forward. One step is not: a convolution followed by a
 2×2 pool runs with its pool in one of flockfl's kernels where its shape has one
-(:mod:`flockfl.engine.convkernel`: one input channel, or output rows 8 wide), whose sums agree
+(:mod:`flockfl.engine.convkernel`: outputs of 8×8 or more that its blocks tile well), whose sums agree
 with oneDNN's to float rounding; ``FLOCKFL_CONV_KERNEL=off`` gives the model's bits again.
 
 :func:`plan` recognises the shapes it knows (a ``nn.Sequential`` of Conv2d / ReLU /
