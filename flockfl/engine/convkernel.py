@@ -31,14 +31,12 @@ no C compiler, another shape, or anything but float32 CPU tensors without gradie
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
 from typing import Optional
 
 import torch
 from torch import nn
 
-from flockfl.engine.fused import compile_library, split_rows
+from flockfl.engine.fused import Kernels, split_rows
 
 ENV = "FLOCKFL_CONV_KERNEL"
 BLOCKS = (6, 5, 4)  # the kernels' numbers of filters computed together
@@ -121,35 +119,22 @@ DEFINE(6)
 # fused multiply-adds (contracted): this kernel is not held to eager PyTorch's bits
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast", "-fno-fast-math", "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_lib = None  # None: not tried yet; False: unavailable
 
 
-def _after_fork() -> None:
-    global _lock
-    _lock = threading.Lock()
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for cb in BLOCKS:
+        fn = getattr(lib, f"conv_pool_cb{cb}")
+        fn.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
+        fn.restype = ctypes.c_int
 
 
-os.register_at_fork(after_in_child=_after_fork)
+KERNELS = Kernels("conv_pool", _SOURCE, _FLAGS, ENV, _declare)
 
 
 def available() -> bool:
-    """Whether the kernel can run here (compiled on first use; off with ``FLOCKFL_CONV_KERNEL=off``)."""
-    global _lib
-    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
-        return False
-    if _lib is None:
-        with _lock:
-            if _lib is None:
-                lib = compile_library("conv_pool", _SOURCE, _FLAGS)
-                if lib is not False:
-                    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-                    for cb in BLOCKS:
-                        fn = getattr(lib, f"conv_pool_cb{cb}")
-                        fn.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr]
-                        fn.restype = ctypes.c_int
-                _lib = lib
-    return _lib is not False
+    """Whether the kernels can run here (compiled on first use; off with ``FLOCKFL_CONV_KERNEL=off``)."""
+    return KERNELS.available()
 
 
 def fits(conv: nn.Conv2d, pool: tuple[int, int]) -> bool:
@@ -207,7 +192,7 @@ def conv_pool(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor
         sc[:c], sh[:c] = scale.reshape(-1), shift.reshape(-1)
     oh, ow = out_h // 2, out_w // 2
     y = x.new_empty(n, c, oh, ow)
-    kernel, failed = getattr(_lib, f"conv_pool_cb{cb}"), []
+    kernel, failed = getattr(KERNELS.lib, f"conv_pool_cb{cb}"), []
 
     def run(lo: int, hi: int) -> None:
         if kernel(hi - lo, ci, h, w, k, c, x.data_ptr() + lo * ci * h * w * 4, wp.data_ptr(), bp.data_ptr(),

@@ -26,10 +26,11 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from flockfl.cachedir import cache_dir, switched_off
 from flockfl.engine.runtime import in_threads
 
 ENV = "FLOCKFL_FUSED_UPDATE"
@@ -92,24 +93,6 @@ void scaffold_control(int64_t rows, int64_t n, const float *x, const float *y, c
 """
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC"]
 
-_lock = threading.Lock()
-_lib: "Optional[ctypes.CDLL] | bool" = None  # None: not tried yet; False: unavailable
-
-
-def _after_fork() -> None:
-    """A forked child has none of its parent's threads: a build lock one of them held stays held."""
-    global _lock
-    _lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork)
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flockfl" / "kernels"
-
-
 def _machine() -> str:
     try:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
@@ -125,7 +108,7 @@ def compile_library(stem: str, source: str, flags: list[str]) -> "ctypes.CDLL | 
     if cc is None:
         return False
     key = hashlib.sha256("\n".join([source, cc, *flags, _machine()]).encode()).hexdigest()[:16]
-    path = _cache_dir() / f"{stem}-{key}.so"
+    path = cache_dir() / "kernels" / f"{stem}-{key}.so"
     if not path.exists():
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -142,28 +125,49 @@ def compile_library(stem: str, source: str, flags: list[str]) -> "ctypes.CDLL | 
         return False
 
 
-def _build() -> "ctypes.CDLL | bool":
-    lib = compile_library("sgd_update", _SOURCE, _FLAGS)
-    if lib is False:
-        return False
+class Kernels:
+    """A C library compiled on first use (:func:`compile_library`), its functions declared by
+    ``declare(lib)``, unless the environment variable ``env`` says off. One build a process,
+    whichever thread asks first; a forked child gets a new build lock (it has none of its
+    parent's threads: a lock one of them held would stay held)."""
+
+    def __init__(self, stem: str, source: str, flags: list[str], env: str, declare: Callable[[ctypes.CDLL], None]):
+        self.stem, self.source, self.flags, self.env, self.declare = stem, source, flags, env, declare
+        self.lib: "ctypes.CDLL | bool | None" = None  # None: not tried yet; False: unavailable
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        """Whether the library can run here (compiled on first use; off with ``<env>=off``)."""
+        if switched_off(os.environ.get(self.env)):
+            return False
+        if self.lib is None:
+            with self._lock:
+                if self.lib is None:
+                    lib = compile_library(self.stem, self.source, self.flags)
+                    if lib is not False:
+                        self.declare(lib)
+                    self.lib = lib
+        return self.lib is not False
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.sgd_update.argtypes = [i64, i64, ptr, ptr, i32, f, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, f]
     lib.sgd_update.restype = None
     lib.scaffold_control.argtypes = [i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
     lib.scaffold_control.restype = None
-    return lib
+
+
+KERNELS = Kernels("sgd_update", _SOURCE, _FLAGS, ENV, _declare)
 
 
 def available() -> bool:
     """Whether the fused update can run here (compiled on first use; off with ``FLOCKFL_FUSED_UPDATE=off``)."""
-    global _lib
-    if os.environ.get(ENV, "").strip().lower() in ("off", "0", "false", "no"):
-        return False
-    if _lib is None:
-        with _lock:
-            if _lib is None:
-                _lib = _build()
-    return _lib is not False
+    return KERNELS.available()
 
 
 def _rows(t: Optional[torch.Tensor], p: torch.Tensor) -> tuple[Optional[torch.Tensor], int]:
@@ -215,7 +219,7 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, rate: float, *, weight_decay: f
         return None if t is None else t.data_ptr() + row * rs * 4
 
     def run(lo: int, hi: int) -> None:
-        _lib.sgd_update(hi - lo, n, ptr(p, lo, n), ptr(g, lo, n), int(bool(weight_decay)), float(weight_decay),
+        KERNELS.lib.sgd_update(hi - lo, n, ptr(p, lo, n), ptr(g, lo, n), int(bool(weight_decay)), float(weight_decay),
                         ptr(a, lo, a_rs), a_rs, ptr(mu_t, lo, mu_rs), mu_rs, ptr(c, lo, c_rs), c_rs,
                         ptr(cm, lo, 1), ptr(e, lo, e_rs), e_rs, float(rate))
 
@@ -248,7 +252,7 @@ def scaffold_control(x: torch.Tensor, y: torch.Tensor, old: torch.Tensor, c: tor
 
     def run(lo: int, hi: int) -> None:
         off = lo * n * 4
-        _lib.scaffold_control(hi - lo, n, x.data_ptr(), y.data_ptr() + off, old.data_ptr() + off, c.data_ptr(),
+        KERNELS.lib.scaffold_control(hi - lo, n, x.data_ptr(), y.data_ptr() + off, old.data_ptr() + off, c.data_ptr(),
                               scale.data_ptr() + lo * 4, ci.data_ptr() + off, d.data_ptr() + off)
 
     split_rows(run, rows, n)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from flockfl.cachedir import cache_file
 from flockfl.engine import fused
 from flockfl.engine.data import Split
 from flockfl.engine.functional import conv_layout, memory_format
@@ -81,13 +82,7 @@ CACHE_ENV = "FLOCKFL_PROBE_CACHE"
 
 
 def cache_path() -> Optional[Path]:
-    given = os.environ.get(CACHE_ENV, "").strip()
-    if given.lower() in ("off", "0", "false", "no"):
-        return None
-    if given:
-        return Path(given)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flockfl" / "engine-probe.json"
+    return cache_file(CACHE_ENV, "engine-probe.json")
 
 
 def probe_key(model: nn.Module, spec: LocalSpec, data: Split, seed: int) -> str:

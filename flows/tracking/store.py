@@ -68,16 +68,12 @@ TEMPLATE_ENV = "FLOCKFL_STORE_TEMPLATE"
 def schema_template() -> Optional[Path]:
     """Where the empty MLflow schema of this MLflow and SQLAlchemy is kept: ``FLOCKFL_STORE_TEMPLATE``
     (``off``: none), else ``$XDG_CACHE_HOME/flockfl/`` (else ``~/.cache/flockfl/``)."""
-    given = os.environ.get(TEMPLATE_ENV, "").strip()
-    if given.lower() in ("off", "0", "false", "no"):
-        return None
-    if given:
-        return Path(given)
     import mlflow
     import sqlalchemy
 
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "flockfl" / f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}-schema.db"
+    from flockfl.cachedir import cache_file
+
+    return cache_file(TEMPLATE_ENV, f"mlflow-{mlflow.__version__}-sqlalchemy-{sqlalchemy.__version__}-schema.db")
 
 
 def _build_template(path: Path) -> None:
