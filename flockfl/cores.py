@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Callable, Optional, TextIO
 
+from flockfl.cachedir import switched_off
+
 SWITCH = "FLOCKFL_CORE_LEASE"  # off / 0 / false / no: no lease (runs share the cores)
 DIR = "FLOCKFL_CORES_DIR"
 POLL_S = 0.1  # how often a waiting run looks again
@@ -36,7 +38,7 @@ QUIET_S = 0.5  # a wait shorter than this is not announced (the run ahead is jus
 
 
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "").strip().lower() not in ("off", "0", "false", "no")
+    return not switched_off(os.environ.get(SWITCH))
 
 
 def usable_cores() -> list[int]:
